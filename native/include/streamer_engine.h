@@ -1,0 +1,133 @@
+/*
+ * streamer engine: a pool of reader threads that copies byte ranges of files
+ * into caller-owned memory and reports when each "unit" (a tensor) is whole.
+ *
+ * Ownership: the caller owns every destination buffer and must keep it alive
+ * until se_engine_destroy() returns (destroy drains in-flight reads first).
+ * The engine owns its threads and file descriptors and releases them in
+ * se_engine_destroy(). There is no global state; every function but the
+ * memory helpers takes the engine it acts on.
+ *
+ * Threading: all functions may be called from one controlling thread while
+ * the workers run; se_engine_wait() blocks and is meant to be called with the
+ * Python GIL released (cffi does this).
+ */
+#ifndef STREAMER_ENGINE_H
+#define STREAMER_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes: 0 is success, every failure is negative. */
+#define SE_OK 0
+#define SE_ERR_NOMEM (-1)     /* allocation failed */
+#define SE_ERR_OPEN (-2)      /* open() failed; sys_errno says why */
+#define SE_ERR_READ (-3)      /* pread() failed; sys_errno says why */
+#define SE_ERR_TRUNCATED (-4) /* the file ended before the requested range */
+#define SE_ERR_CANCELLED (-5) /* se_engine_cancel() was called */
+#define SE_ERR_INVALID (-6)   /* bad argument (index out of range, bad range, ...) */
+#define SE_ERR_THREAD (-7)    /* a worker thread could not be started */
+
+/* A unit completes once every byte of [begin, end) of its file has been read. */
+typedef struct se_unit {
+    int32_t file;   /* index returned by se_engine_add_file() */
+    uint64_t begin; /* absolute file offset, inclusive */
+    uint64_t end;   /* absolute file offset, exclusive; end > begin */
+} se_unit;
+
+/*
+ * One read. [read_offset, read_offset + read_length) is read into dst. The part
+ * [acc_begin, acc_end) (inside the read range) is credited to the units
+ * first_unit..last_unit that it overlaps. A read may end early only at end of
+ * file, and only after acc_end: for O_DIRECT files the planner rounds reads out
+ * to the alignment, which can run past EOF.
+ */
+typedef struct se_block {
+    int32_t file;
+    uint32_t first_unit;
+    uint32_t last_unit; /* inclusive */
+    uint64_t acc_begin;
+    uint64_t acc_end;
+    uint64_t read_offset;
+    uint64_t read_length;
+    void *dst;
+} se_block;
+
+/* The first failure of a run; later failures are dropped. */
+typedef struct se_error_info {
+    int32_t code;      /* SE_ERR_*, SE_OK when no failure happened */
+    int32_t sys_errno; /* errno of the failing call, 0 if none */
+    int32_t file;      /* file index, -1 if not about a file */
+    uint64_t offset;   /* file offset where the failing read started */
+    uint64_t expected; /* bytes the read needed */
+    uint64_t got;      /* bytes the read obtained */
+} se_error_info;
+
+typedef struct se_stats {
+    uint64_t bytes_read;  /* bytes returned by pread */
+    uint64_t blocks_done; /* blocks fully read */
+    double read_seconds;  /* summed over workers: time inside pread */
+    double idle_seconds;  /* summed over workers: time waiting for a block */
+} se_stats;
+
+typedef struct se_engine se_engine;
+
+/*
+ * Creates an engine with n_workers threads and a copy of the unit table.
+ * Returns NULL on failure and stores the reason in *status.
+ */
+se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n_units,
+                            int32_t *status);
+
+/*
+ * Opens a file for reading. want_direct asks for O_DIRECT; if the filesystem
+ * refuses it the file is read buffered and *is_direct is 0. Returns the file
+ * index (>= 0) or a negative status; *sys_errno gets errno on SE_ERR_OPEN.
+ */
+int32_t se_engine_add_file(se_engine *engine, const char *path, int32_t want_direct,
+                           int32_t *is_direct, int32_t *sys_errno);
+
+/* Queues blocks behind those already queued (FIFO). */
+int32_t se_engine_submit(se_engine *engine, const se_block *blocks, size_t n_blocks);
+
+/*
+ * Waits up to timeout_ms for completed units and copies up to max_ids of
+ * their indices into unit_ids, setting *n_out. Returns SE_OK (possibly with
+ * *n_out == 0 on timeout) or the run's first error code.
+ */
+int32_t se_engine_wait(se_engine *engine, uint32_t *unit_ids, size_t max_ids, int32_t timeout_ms,
+                       size_t *n_out);
+
+/* Copies the run's first failure (code SE_OK if none). */
+void se_engine_error(se_engine *engine, se_error_info *out);
+
+/* Copies the counters gathered so far. */
+void se_engine_stats(se_engine *engine, se_stats *out);
+
+/* Drops queued blocks and makes waiters return SE_ERR_CANCELLED; in-flight reads finish. */
+void se_engine_cancel(se_engine *engine);
+
+/* Cancels, waits for in-flight reads, joins the workers, closes files, frees. NULL is a no-op. */
+void se_engine_destroy(se_engine *engine);
+
+/*
+ * Anonymous private memory for destinations. With hugepage != 0 the region is
+ * 2 MiB aligned and advised MADV_HUGEPAGE. Returns NULL on failure.
+ * se_free() must get the same size that se_alloc() got.
+ */
+void *se_alloc(size_t size, int32_t hugepage);
+void se_free(void *ptr, size_t size, int32_t hugepage);
+
+/* How many bytes of the file are in the page cache (mincore). Returns SE_OK or a status. */
+int32_t se_resident_bytes(const char *path, uint64_t *resident, uint64_t *total,
+                          int32_t *sys_errno);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,379 @@
+/*
+ * The reader pool. One mutex guards all shared state: blocks are megabytes,
+ * so a few thousand lock operations a second cost nothing measurable, and a
+ * single lock keeps the invariants easy to read.
+ */
+#define _GNU_SOURCE
+#include "streamer_engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct se_file {
+    int fd;
+} se_file;
+
+struct se_engine {
+    pthread_mutex_t lock;
+    pthread_cond_t work_ready; /* a block was queued, or the run stopped */
+    pthread_cond_t done_ready; /* a unit completed, or the run failed */
+
+    pthread_t *workers;
+    uint32_t n_workers;
+
+    se_file *files;
+    int32_t n_files;
+    int32_t files_capacity;
+
+    se_unit *units;
+    uint64_t *remaining; /* bytes of each unit not yet read */
+    uint32_t n_units;
+
+    se_block *queue; /* FIFO: blocks[queue_head, queue_tail) are pending */
+    size_t queue_head;
+    size_t queue_tail;
+    size_t queue_capacity;
+
+    uint32_t *done; /* completed unit ids; each unit appears at most once */
+    size_t done_head;
+    size_t done_tail;
+
+    int stopping; /* destroy: workers exit once idle */
+    int cancelled;
+    se_error_info error;
+    se_stats stats;
+};
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Caller holds the lock. Keeps the first failure only. */
+static void record_error(se_engine *e, int32_t code, int32_t sys_errno, const se_block *b,
+                         uint64_t got) {
+    if (e->error.code == SE_OK) {
+        e->error.code = code;
+        e->error.sys_errno = sys_errno;
+        e->error.file = b ? b->file : -1;
+        e->error.offset = b ? b->read_offset : 0;
+        e->error.expected = b ? b->acc_end - b->read_offset : 0;
+        e->error.got = got;
+    }
+    e->queue_head = e->queue_tail; /* stop new work; in-flight reads drain */
+    pthread_cond_broadcast(&e->done_ready);
+}
+
+/* Reads the block; returns SE_OK or a status, with *got = bytes obtained. */
+static int32_t read_block(const se_engine *e, const se_block *b, uint64_t *got, int *sys_errno) {
+    int fd = e->files[b->file].fd;
+    char *dst = (char *)b->dst;
+    uint64_t done = 0;
+    while (done < b->read_length) {
+        ssize_t n = pread(fd, dst + done, (size_t)(b->read_length - done), (off_t)(b->read_offset + done));
+        if (n < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            *got = done;
+            *sys_errno = errno;
+            return SE_ERR_READ;
+        }
+        if (n == 0) {
+            break; /* end of file */
+        }
+        done += (uint64_t)n;
+    }
+    *got = done;
+    return b->read_offset + done >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;
+}
+
+/* Caller holds the lock. Credits the block's bytes to the units it overlaps. */
+static void credit_units(se_engine *e, const se_block *b) {
+    for (uint32_t u = b->first_unit; u <= b->last_unit; u++) {
+        const se_unit *unit = &e->units[u];
+        uint64_t lo = unit->begin > b->acc_begin ? unit->begin : b->acc_begin;
+        uint64_t hi = unit->end < b->acc_end ? unit->end : b->acc_end;
+        if (hi <= lo || e->remaining[u] == 0) {
+            continue;
+        }
+        uint64_t bytes = hi - lo;
+        e->remaining[u] = bytes >= e->remaining[u] ? 0 : e->remaining[u] - bytes;
+        if (e->remaining[u] == 0) {
+            e->done[e->done_tail++] = u;
+        }
+    }
+    pthread_cond_broadcast(&e->done_ready);
+}
+
+static void *worker_main(void *arg) {
+    se_engine *e = (se_engine *)arg;
+    pthread_mutex_lock(&e->lock);
+    for (;;) {
+        double idle_start = now_seconds();
+        while (e->queue_head == e->queue_tail && !e->stopping) {
+            pthread_cond_wait(&e->work_ready, &e->lock);
+        }
+        e->stats.idle_seconds += now_seconds() - idle_start;
+        if (e->queue_head == e->queue_tail) {
+            break; /* stopping and nothing left */
+        }
+        se_block block = e->queue[e->queue_head++];
+        pthread_mutex_unlock(&e->lock);
+
+        uint64_t got = 0;
+        int sys_errno = 0;
+        double read_start = now_seconds();
+        int32_t status = read_block(e, &block, &got, &sys_errno);
+        double read_seconds = now_seconds() - read_start;
+
+        pthread_mutex_lock(&e->lock);
+        e->stats.read_seconds += read_seconds;
+        e->stats.bytes_read += got;
+        if (status != SE_OK) {
+            record_error(e, status, sys_errno, &block, got);
+        } else if (e->error.code == SE_OK) {
+            e->stats.blocks_done++;
+            credit_units(e, &block);
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    return NULL;
+}
+
+static void free_engine(se_engine *e) {
+    free(e->workers);
+    free(e->files);
+    free(e->units);
+    free(e->remaining);
+    free(e->queue);
+    free(e->done);
+    free(e);
+}
+
+/* Stops and joins the first started_workers workers, closes files, frees everything. */
+static void teardown(se_engine *e, uint32_t started_workers) {
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    e->queue_head = e->queue_tail;
+    pthread_cond_broadcast(&e->work_ready);
+    pthread_mutex_unlock(&e->lock);
+    for (uint32_t i = 0; i < started_workers; i++) {
+        pthread_join(e->workers[i], NULL);
+    }
+    for (int32_t i = 0; i < e->n_files; i++) {
+        close(e->files[i].fd);
+    }
+    pthread_cond_destroy(&e->done_ready);
+    pthread_cond_destroy(&e->work_ready);
+    pthread_mutex_destroy(&e->lock);
+    free_engine(e);
+}
+
+/* Initialises the lock and both conditions, or none of them. */
+static int init_sync(se_engine *e) {
+    if (pthread_mutex_init(&e->lock, NULL) != 0) {
+        return 0;
+    }
+    if (pthread_cond_init(&e->work_ready, NULL) != 0) {
+        pthread_mutex_destroy(&e->lock);
+        return 0;
+    }
+    if (pthread_cond_init(&e->done_ready, NULL) != 0) {
+        pthread_cond_destroy(&e->work_ready);
+        pthread_mutex_destroy(&e->lock);
+        return 0;
+    }
+    return 1;
+}
+
+se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n_units,
+                            int32_t *status) {
+    if (n_workers == 0 || (n_units > 0 && units == NULL)) {
+        *status = SE_ERR_INVALID;
+        return NULL;
+    }
+    se_engine *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        *status = SE_ERR_NOMEM;
+        return NULL;
+    }
+    size_t unit_slots = n_units > 0 ? n_units : 1;
+    e->workers = calloc(n_workers, sizeof(*e->workers));
+    e->units = calloc(unit_slots, sizeof(*e->units));
+    e->remaining = calloc(unit_slots, sizeof(*e->remaining));
+    e->done = calloc(unit_slots, sizeof(*e->done));
+    if (e->workers == NULL || e->units == NULL || e->remaining == NULL || e->done == NULL) {
+        free_engine(e);
+        *status = SE_ERR_NOMEM;
+        return NULL;
+    }
+    for (uint32_t i = 0; i < n_units; i++) {
+        if (units[i].end <= units[i].begin || units[i].file < 0) {
+            free_engine(e);
+            *status = SE_ERR_INVALID;
+            return NULL;
+        }
+        e->units[i] = units[i];
+        e->remaining[i] = units[i].end - units[i].begin;
+    }
+    if (!init_sync(e)) {
+        free_engine(e);
+        *status = SE_ERR_NOMEM;
+        return NULL;
+    }
+    e->n_units = n_units;
+    e->error.code = SE_OK;
+    e->error.file = -1;
+    e->n_workers = n_workers;
+    for (uint32_t i = 0; i < n_workers; i++) {
+        if (pthread_create(&e->workers[i], NULL, worker_main, e) != 0) {
+            teardown(e, i);
+            *status = SE_ERR_THREAD;
+            return NULL;
+        }
+    }
+    *status = SE_OK;
+    return e;
+}
+
+int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, int32_t *is_direct,
+                           int32_t *sys_errno) {
+    *is_direct = 0;
+    *sys_errno = 0;
+    int fd = -1;
+    if (want_direct) {
+        fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        *is_direct = fd >= 0;
+    }
+    if (fd < 0) {
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+    }
+    if (fd < 0) {
+        *sys_errno = errno;
+        return SE_ERR_OPEN;
+    }
+    pthread_mutex_lock(&e->lock);
+    if (e->n_files == e->files_capacity) {
+        int32_t capacity = e->files_capacity ? e->files_capacity * 2 : 8;
+        se_file *grown = realloc(e->files, (size_t)capacity * sizeof(*grown));
+        if (grown == NULL) {
+            pthread_mutex_unlock(&e->lock);
+            close(fd);
+            return SE_ERR_NOMEM;
+        }
+        e->files = grown;
+        e->files_capacity = capacity;
+    }
+    int32_t index = e->n_files++;
+    e->files[index].fd = fd;
+    pthread_mutex_unlock(&e->lock);
+    return index;
+}
+
+/* Caller holds the lock. */
+static int block_is_valid(const se_engine *e, const se_block *b) {
+    return b->file >= 0 && b->file < e->n_files && b->dst != NULL && b->first_unit <= b->last_unit &&
+           b->last_unit < e->n_units && b->read_offset <= b->acc_begin && b->acc_begin < b->acc_end &&
+           b->acc_end <= b->read_offset + b->read_length;
+}
+
+int32_t se_engine_submit(se_engine *e, const se_block *blocks, size_t n_blocks) {
+    pthread_mutex_lock(&e->lock);
+    for (size_t i = 0; i < n_blocks; i++) {
+        if (!block_is_valid(e, &blocks[i])) {
+            pthread_mutex_unlock(&e->lock);
+            return SE_ERR_INVALID;
+        }
+    }
+    if (e->cancelled || e->error.code != SE_OK) {
+        int32_t code = e->cancelled ? SE_ERR_CANCELLED : e->error.code;
+        pthread_mutex_unlock(&e->lock);
+        return code;
+    }
+    size_t pending = e->queue_tail - e->queue_head;
+    if (pending + n_blocks > e->queue_capacity || e->queue_tail + n_blocks > e->queue_capacity) {
+        /* Compact to the front, growing if needed. */
+        size_t capacity = e->queue_capacity ? e->queue_capacity : 64;
+        while (capacity < pending + n_blocks) {
+            capacity *= 2;
+        }
+        se_block *grown = malloc(capacity * sizeof(*grown));
+        if (grown == NULL) {
+            pthread_mutex_unlock(&e->lock);
+            return SE_ERR_NOMEM;
+        }
+        if (pending > 0) {
+            memcpy(grown, e->queue + e->queue_head, pending * sizeof(*grown));
+        }
+        free(e->queue);
+        e->queue = grown;
+        e->queue_capacity = capacity;
+        e->queue_head = 0;
+        e->queue_tail = pending;
+    }
+    memcpy(e->queue + e->queue_tail, blocks, n_blocks * sizeof(*blocks));
+    e->queue_tail += n_blocks;
+    pthread_cond_broadcast(&e->work_ready);
+    pthread_mutex_unlock(&e->lock);
+    return SE_OK;
+}
+
+int32_t se_engine_wait(se_engine *e, uint32_t *unit_ids, size_t max_ids, int32_t timeout_ms,
+                       size_t *n_out) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += timeout_ms / 1000;
+    deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec += 1;
+        deadline.tv_nsec -= 1000000000L;
+    }
+    *n_out = 0;
+    pthread_mutex_lock(&e->lock);
+    while (e->done_head == e->done_tail && e->error.code == SE_OK && !e->cancelled) {
+        if (pthread_cond_timedwait(&e->done_ready, &e->lock, &deadline) == ETIMEDOUT) {
+            break;
+        }
+    }
+    int32_t status = e->cancelled ? SE_ERR_CANCELLED : e->error.code;
+    if (status == SE_OK) {
+        while (*n_out < max_ids && e->done_head < e->done_tail) {
+            unit_ids[(*n_out)++] = e->done[e->done_head++];
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    return status;
+}
+
+void se_engine_error(se_engine *e, se_error_info *out) {
+    pthread_mutex_lock(&e->lock);
+    *out = e->error;
+    pthread_mutex_unlock(&e->lock);
+}
+
+void se_engine_stats(se_engine *e, se_stats *out) {
+    pthread_mutex_lock(&e->lock);
+    *out = e->stats;
+    pthread_mutex_unlock(&e->lock);
+}
+
+void se_engine_cancel(se_engine *e) {
+    pthread_mutex_lock(&e->lock);
+    e->cancelled = 1;
+    e->queue_head = e->queue_tail;
+    pthread_cond_broadcast(&e->done_ready);
+    pthread_mutex_unlock(&e->lock);
+}
+
+void se_engine_destroy(se_engine *e) {
+    if (e != NULL) {
+        teardown(e, e->n_workers);
+    }
+}

@@ -1,0 +1,63 @@
+/* How much of a file sits in the page cache, so the loader can read cached
+ * files buffered (a memcpy from cache) and uncached ones with O_DIRECT. */
+#define _GNU_SOURCE
+#include "streamer_engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+int32_t se_resident_bytes(const char *path, uint64_t *resident, uint64_t *total, int32_t *sys_errno) {
+    *resident = 0;
+    *total = 0;
+    *sys_errno = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        *sys_errno = errno;
+        return SE_ERR_OPEN;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        *sys_errno = errno;
+        close(fd);
+        return SE_ERR_READ;
+    }
+    *total = (uint64_t)st.st_size;
+    if (st.st_size == 0) {
+        close(fd);
+        return SE_OK;
+    }
+    size_t length = (size_t)st.st_size;
+    void *map = mmap(NULL, length, PROT_READ, MAP_SHARED, fd, 0);
+    int map_errno = errno;
+    close(fd);
+    if (map == MAP_FAILED) {
+        *sys_errno = map_errno;
+        return SE_ERR_READ;
+    }
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t pages = (length + page - 1) / page;
+    unsigned char *vec = malloc(pages);
+    if (vec == NULL) {
+        munmap(map, length);
+        return SE_ERR_NOMEM;
+    }
+    int32_t status = SE_OK;
+    if (mincore(map, length, vec) != 0) {
+        *sys_errno = errno;
+        status = SE_ERR_READ;
+    } else {
+        uint64_t count = 0;
+        for (size_t i = 0; i < pages; i++) {
+            count += vec[i] & 1;
+        }
+        uint64_t bytes = count * page;
+        *resident = bytes > *total ? *total : bytes;
+    }
+    free(vec);
+    munmap(map, length);
+    return status;
+}

@@ -1,0 +1,965 @@
+/*
+ * Tests of the streamer engine (native/include/streamer_engine.h).
+ *
+ * A plain program: each test calls CHECK, which prints the failed expression
+ * with file:line and exits 1. Every test makes its own temporary files with
+ * mkstemp in $TMPDIR (or /tmp) and removes them. On success the last line is
+ * "engine tests: N passed, 0 failed".
+ */
+#define _GNU_SOURCE
+#include "streamer_engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static int g_passed; /* the test counter: the only mutable global */
+
+#define CHECK(expr)                                                                   \
+    do {                                                                              \
+        if (!(expr)) {                                                                \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #expr);  \
+            exit(1);                                                                  \
+        }                                                                             \
+    } while (0)
+
+/* Like CHECK(a == b) for integers, but also prints both values. */
+#define CHECK_EQ(a, b)                                                                \
+    do {                                                                              \
+        long long a_ = (long long)(a);                                                \
+        long long b_ = (long long)(b);                                                \
+        if (a_ != b_) {                                                               \
+            fprintf(stderr, "%s:%d: CHECK failed: %s == %s (%lld vs %lld)\n", __FILE__, \
+                    __LINE__, #a, #b, a_, b_);                                        \
+            exit(1);                                                                  \
+        }                                                                             \
+    } while (0)
+
+#define RUN(test)                                \
+    do {                                         \
+        test();                                  \
+        g_passed++;                              \
+        printf("ok %s\n", #test);                \
+        fflush(stdout);                          \
+    } while (0)
+
+#define KIB ((uint64_t)1024)
+#define MIB ((uint64_t)1024 * 1024)
+#define WAIT_LIMIT_SECONDS 120.0 /* generous: TSan is slow on 2 cores */
+
+/* ---------------------------------------------------------------- helpers */
+
+static double now_seconds(void) {
+    struct timespec ts;
+    CHECK(clock_gettime(CLOCK_MONOTONIC, &ts) == 0);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void sleep_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0) {
+        CHECK(errno == EINTR);
+    }
+}
+
+static uint64_t rng_next(uint64_t *state) {
+    uint64_t x = *state; /* xorshift64 */
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    return x;
+}
+
+static unsigned char *random_bytes(size_t size, uint64_t seed) {
+    unsigned char *data = malloc(size > 0 ? size : 1);
+    CHECK(data != NULL);
+    uint64_t state = seed | 1;
+    for (size_t i = 0; i < size; i++) {
+        data[i] = (unsigned char)(rng_next(&state) >> 56);
+    }
+    return data;
+}
+
+static uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+static uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+typedef struct temp_file {
+    char path[4096];
+    int fd; /* open read-write until temp_remove */
+} temp_file;
+
+static void write_all(int fd, const unsigned char *data, size_t size) {
+    size_t done = 0;
+    while (done < size) {
+        ssize_t n = write(fd, data + done, size - done);
+        if (n < 0) {
+            CHECK(errno == EINTR);
+            continue;
+        }
+        CHECK(n > 0);
+        done += (size_t)n;
+    }
+}
+
+static void temp_create(temp_file *t, const unsigned char *data, size_t size) {
+    const char *dir = getenv("TMPDIR");
+    if (dir == NULL || dir[0] == '\0') {
+        dir = "/tmp";
+    }
+    int n = snprintf(t->path, sizeof(t->path), "%s/streamer-engine-test-XXXXXX", dir);
+    CHECK(n > 0 && (size_t)n < sizeof(t->path));
+    t->fd = mkstemp(t->path);
+    CHECK(t->fd >= 0);
+    write_all(t->fd, data, size);
+}
+
+static void temp_remove(temp_file *t) {
+    CHECK(close(t->fd) == 0);
+    CHECK(unlink(t->path) == 0);
+}
+
+static se_engine *engine_new(uint32_t n_workers, const se_unit *units, uint32_t n_units) {
+    int32_t status = 12345;
+    se_engine *e = se_engine_create(n_workers, units, n_units, &status);
+    CHECK(e != NULL);
+    return e;
+}
+
+/* Adds a file that must open; returns its index and stores is_direct if asked. */
+static int32_t engine_add(se_engine *e, const char *path, int32_t want_direct, int32_t *is_direct) {
+    int32_t direct = -1;
+    int32_t sys_errno = -1;
+    int32_t index = se_engine_add_file(e, path, want_direct, &direct, &sys_errno);
+    CHECK(index >= 0);
+    CHECK(direct == 0 || direct == 1);
+    if (!want_direct) {
+        CHECK_EQ(direct, 0);
+    }
+    if (is_direct != NULL) {
+        *is_direct = direct;
+    }
+    return index;
+}
+
+/*
+ * Waits until `want` more units are reported; marks each in seen[] and fails
+ * on an error, an id out of range, an id reported twice, or no progress.
+ */
+static void collect(se_engine *e, uint8_t *seen, uint32_t n_units, uint32_t want, size_t max_ids) {
+    uint32_t ids[64];
+    CHECK(max_ids >= 1 && max_ids <= 64);
+    uint32_t got = 0;
+    double deadline = now_seconds() + WAIT_LIMIT_SECONDS;
+    while (got < want) {
+        size_t n = 9999;
+        int32_t rc = se_engine_wait(e, ids, max_ids, 200, &n);
+        CHECK_EQ(rc, SE_OK);
+        CHECK(n <= max_ids);
+        for (size_t i = 0; i < n; i++) {
+            CHECK(ids[i] < n_units);
+            CHECK_EQ(seen[ids[i]], 0);
+            seen[ids[i]] = 1;
+            got++;
+        }
+        CHECK(now_seconds() < deadline);
+    }
+}
+
+/* Checks that no unit gets reported within timeout_ms. */
+static void expect_quiet(se_engine *e, int32_t timeout_ms) {
+    uint32_t ids[8];
+    size_t n = 9999;
+    CHECK_EQ(se_engine_wait(e, ids, 8, timeout_ms, &n), SE_OK);
+    CHECK_EQ(n, 0);
+}
+
+/* Waits until se_engine_wait fails and returns its code (ids reported before are ignored). */
+static int32_t wait_for_error(se_engine *e) {
+    uint32_t ids[64];
+    double deadline = now_seconds() + WAIT_LIMIT_SECONDS;
+    for (;;) {
+        size_t n = 9999;
+        int32_t rc = se_engine_wait(e, ids, 64, 200, &n);
+        if (rc != SE_OK) {
+            return rc;
+        }
+        CHECK(now_seconds() < deadline);
+    }
+}
+
+static void wait_blocks_done(se_engine *e, uint64_t n_blocks) {
+    double deadline = now_seconds() + WAIT_LIMIT_SECONDS;
+    for (;;) {
+        se_stats stats;
+        se_engine_stats(e, &stats);
+        CHECK(stats.blocks_done <= n_blocks);
+        if (stats.blocks_done == n_blocks) {
+            return;
+        }
+        CHECK(now_seconds() < deadline);
+        sleep_ms(1);
+    }
+}
+
+/* A block that reads exactly the credited range [begin, end) into base + begin. */
+static se_block plain_block(int32_t file, uint32_t first, uint32_t last, uint64_t begin,
+                            uint64_t end, unsigned char *base) {
+    se_block b = {file, first, last, begin, end, begin, end - begin, base + begin};
+    return b;
+}
+
+/*
+ * Sorted, disjoint units over [0, size) of one file: tiny, medium and big
+ * (spanning many blocks), often adjacent, sometimes with gaps; the last one
+ * ends at EOF. Returns how many were written to units[].
+ */
+static uint32_t make_units(se_unit *units, uint32_t cap, int32_t file, uint64_t size,
+                           uint64_t *rng) {
+    uint32_t n = 0;
+    uint64_t pos = 0;
+    while (n < cap) {
+        if (rng_next(rng) % 2 == 0) {
+            pos += rng_next(rng) % 5000;
+        }
+        if (pos >= size) {
+            break;
+        }
+        uint64_t len;
+        switch (rng_next(rng) % 4) {
+        case 0: len = 1 + rng_next(rng) % 16; break;
+        case 1: len = 1 + rng_next(rng) % 4096; break;
+        case 2: len = 1 + rng_next(rng) % 100000; break;
+        default: len = 1 + rng_next(rng) % (3 * MIB); break;
+        }
+        uint64_t end = min_u64(pos + len, size);
+        se_unit u = {file, pos, end};
+        units[n++] = u;
+        pos = end;
+    }
+    CHECK(n > 0);
+    units[n - 1].end = size;
+    return n;
+}
+
+/*
+ * Cuts [0, size) of a file into block_size chunks and makes one block per
+ * chunk that overlaps units[first..end). The credited range is the chunk
+ * clipped to those units; the read is either that range or the whole chunk.
+ * dst mirrors the file: byte k of the file lands at base[k].
+ */
+static size_t plan_blocks(const se_unit *units, uint32_t first, uint32_t end, uint64_t size,
+                          uint64_t block_size, int whole_chunks, unsigned char *base,
+                          se_block *out) {
+    size_t n = 0;
+    uint32_t i = first;
+    for (uint64_t c0 = 0; c0 < size; c0 += block_size) {
+        uint64_t c1 = min_u64(c0 + block_size, size);
+        while (i < end && units[i].end <= c0) {
+            i++;
+        }
+        if (i == end || units[i].begin >= c1) {
+            continue;
+        }
+        uint32_t j = i;
+        while (j + 1 < end && units[j + 1].begin < c1) {
+            j++;
+        }
+        se_block b;
+        b.file = units[i].file;
+        b.first_unit = i;
+        b.last_unit = j;
+        b.acc_begin = max_u64(c0, units[i].begin);
+        b.acc_end = min_u64(c1, units[j].end);
+        b.read_offset = whole_chunks ? c0 : b.acc_begin;
+        b.read_length = (whole_chunks ? c1 : b.acc_end) - b.read_offset;
+        b.dst = base + b.read_offset;
+        out[n++] = b;
+    }
+    return n;
+}
+
+static void shuffle_blocks(se_block *blocks, size_t n, uint64_t *rng) {
+    for (size_t i = n; i > 1; i--) {
+        size_t j = (size_t)(rng_next(rng) % i);
+        se_block tmp = blocks[i - 1];
+        blocks[i - 1] = blocks[j];
+        blocks[j] = tmp;
+    }
+}
+
+/* ------------------------------------------------------------------ tests */
+
+/* 1. Many units and blocks of several sizes, 1..16 workers: every unit once, bytes equal. */
+static void test_read_many_units(void) {
+    const uint64_t size_a = 9 * MIB + 123;
+    const uint64_t size_b = 777;
+    unsigned char *data_a = random_bytes(size_a, 1);
+    unsigned char *data_b = random_bytes(size_b, 2);
+    temp_file fa, fb;
+    temp_create(&fa, data_a, size_a);
+    temp_create(&fb, data_b, size_b);
+
+    enum { UNIT_CAP = 4096 };
+    se_unit *units = malloc(UNIT_CAP * sizeof(*units));
+    CHECK(units != NULL);
+    uint64_t rng = 12345;
+    uint32_t n_a = make_units(units, UNIT_CAP - 64, 0, size_a, &rng);
+    uint32_t n_units = n_a + make_units(units + n_a, 64, 1, size_b, &rng);
+
+    unsigned char *dst_a = malloc(size_a);
+    unsigned char *dst_b = malloc(size_b);
+    uint8_t *seen = malloc(n_units);
+    size_t block_cap = (size_t)(size_a / 4096 + size_b / 4096 + 4);
+    se_block *blocks = malloc(block_cap * sizeof(*blocks));
+    CHECK(dst_a != NULL && dst_b != NULL && seen != NULL && blocks != NULL);
+
+    const uint64_t block_sizes[] = {4096, 12345, MIB};
+    const uint32_t worker_counts[] = {1, 2, 5, 16};
+    const size_t max_ids[] = {1, 7, 64};
+    int config = 0;
+    for (size_t s = 0; s < sizeof(block_sizes) / sizeof(block_sizes[0]); s++) {
+        for (size_t w = 0; w < sizeof(worker_counts) / sizeof(worker_counts[0]); w++, config++) {
+            memset(dst_a, 0xA5, size_a);
+            memset(dst_b, 0xA5, size_b);
+            memset(seen, 0, n_units);
+            int whole = config % 2;
+            size_t n_blocks = plan_blocks(units, 0, n_a, size_a, block_sizes[s], whole, dst_a, blocks);
+            n_blocks += plan_blocks(units, n_a, n_units, size_b, block_sizes[s], whole, dst_b,
+                                    blocks + n_blocks);
+            CHECK(n_blocks <= block_cap);
+            if (config % 3 == 1) {
+                shuffle_blocks(blocks, n_blocks, &rng);
+            }
+
+            se_engine *e = engine_new(worker_counts[w], units, n_units);
+            CHECK_EQ(engine_add(e, fa.path, 0, NULL), 0);
+            CHECK_EQ(engine_add(e, fb.path, 0, NULL), 1);
+            size_t batch = config % 4 == 0 ? n_blocks : 97;
+            for (size_t i = 0; i < n_blocks; i += batch) {
+                CHECK_EQ(se_engine_submit(e, blocks + i, min_u64(batch, n_blocks - i)), SE_OK);
+            }
+            collect(e, seen, n_units, n_units, max_ids[config % 3]);
+            expect_quiet(e, 20);
+
+            se_error_info err;
+            se_engine_error(e, &err);
+            CHECK_EQ(err.code, SE_OK);
+            se_engine_destroy(e);
+
+            for (uint32_t u = 0; u < n_units; u++) {
+                const unsigned char *src = units[u].file == 0 ? data_a : data_b;
+                const unsigned char *dst = units[u].file == 0 ? dst_a : dst_b;
+                CHECK(memcmp(dst + units[u].begin, src + units[u].begin,
+                             units[u].end - units[u].begin) == 0);
+            }
+        }
+    }
+
+    free(blocks);
+    free(seen);
+    free(dst_b);
+    free(dst_a);
+    free(units);
+    temp_remove(&fb);
+    temp_remove(&fa);
+    free(data_b);
+    free(data_a);
+}
+
+/*
+ * 2. Blocks straddling units credit only their overlap. U1 = [1000, 1300) is
+ * covered by three blocks; b1 spills 1000 bytes into U0 and b3 2700 into U2,
+ * so crediting whole blocks would complete U1 early.
+ */
+static void test_straddling_blocks(void) {
+    const uint64_t size = 4000;
+    unsigned char *data = random_bytes(size, 3);
+    temp_file f;
+    temp_create(&f, data, size);
+    const se_unit units[3] = {{0, 0, 1000}, {0, 1000, 1300}, {0, 1300, 4000}};
+    unsigned char *dst = malloc(size);
+    CHECK(dst != NULL);
+
+    const uint32_t worker_counts[] = {1, 3};
+    for (size_t w = 0; w < 2; w++) {
+        for (int last = 0; last < 3; last++) { /* the block submitted on its own, at the end */
+            memset(dst, 0, size);
+            const se_block blocks[3] = {
+                plain_block(0, 0, 1, 0, 1200, dst),
+                plain_block(0, 1, 1, 1200, 1250, dst),
+                plain_block(0, 1, 2, 1250, 4000, dst),
+            };
+            se_engine *e = engine_new(worker_counts[w], units, 3);
+            CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+            for (int b = 0; b < 3; b++) {
+                if (b != last) {
+                    CHECK_EQ(se_engine_submit(e, &blocks[b], 1), SE_OK);
+                }
+            }
+            /* U0 needs only b1 and U2 only b3; U1 needs all three. */
+            uint8_t seen[3] = {0, 0, 0};
+            uint32_t early = (last != 0) + (last != 2);
+            collect(e, seen, 3, early, 1);
+            wait_blocks_done(e, 2);
+            expect_quiet(e, 50);
+            CHECK_EQ(seen[0], last != 0);
+            CHECK_EQ(seen[1], 0);
+            CHECK_EQ(seen[2], last != 2);
+
+            CHECK_EQ(se_engine_submit(e, &blocks[last], 1), SE_OK);
+            collect(e, seen, 3, 3 - early, 3);
+            expect_quiet(e, 20);
+            CHECK(seen[0] && seen[1] && seen[2]);
+            se_engine_destroy(e);
+            CHECK(memcmp(dst, data, size) == 0);
+        }
+    }
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+/* 3. O_DIRECT: aligned reads into se_alloc memory; the last read runs past EOF. */
+static void test_direct_io(void) {
+    const uint64_t size = 3 * 4096 + 100;
+    unsigned char *data = random_bytes(size, 4);
+    temp_file f;
+    temp_create(&f, data, size);
+    CHECK(fsync(f.fd) == 0);
+    const se_unit units[2] = {{0, 5000, 9000}, {0, 9000, size}};
+    const size_t dst_size = 4 * 4096;
+    unsigned char *dst = se_alloc(dst_size, 0);
+    CHECK(dst != NULL);
+    CHECK((uintptr_t)dst % 4096 == 0);
+
+    for (uint32_t workers = 1; workers <= 2; workers++) {
+        memset(dst, 0, dst_size);
+        se_engine *e = engine_new(workers, units, 2);
+        int32_t is_direct = -1;
+        CHECK_EQ(engine_add(e, f.path, 1, &is_direct), 0);
+        /* The planner rounds reads out to 4096: [4096, 8192) and [8192, 16384), past EOF. */
+        const se_block blocks[2] = {
+            {0, 0, 0, 5000, 8192, 4096, 4096, dst + 4096},
+            {0, 0, 1, 8192, size, 8192, 8192, dst + 8192},
+        };
+        CHECK_EQ(se_engine_submit(e, blocks, 2), SE_OK);
+        uint8_t seen[2] = {0, 0};
+        collect(e, seen, 2, 2, 2);
+        expect_quiet(e, 20);
+        se_stats stats;
+        se_engine_stats(e, &stats);
+        CHECK_EQ(stats.blocks_done, 2);
+        CHECK_EQ(stats.bytes_read, size - 4096);
+        se_engine_destroy(e);
+        CHECK(memcmp(dst + 5000, data + 5000, size - 5000) == 0);
+    }
+
+    /* A direct read whose credited range passes EOF is truncated. */
+    {
+        const se_unit past[1] = {{0, 8192, size + 1}};
+        se_engine *e = engine_new(2, past, 1);
+        CHECK_EQ(engine_add(e, f.path, 1, NULL), 0);
+        const se_block block = {0, 0, 0, 8192, size + 1, 8192, 8192, dst + 8192};
+        CHECK_EQ(se_engine_submit(e, &block, 1), SE_OK);
+        CHECK_EQ(wait_for_error(e), SE_ERR_TRUNCATED);
+        se_error_info err;
+        se_engine_error(e, &err);
+        CHECK_EQ(err.code, SE_ERR_TRUNCATED);
+        CHECK_EQ(err.file, 0);
+        CHECK_EQ(err.offset, 8192);
+        CHECK_EQ(err.expected, size + 1 - 8192);
+        CHECK_EQ(err.got, size - 8192);
+        se_engine_destroy(e);
+    }
+
+    se_free(dst, dst_size, 0);
+    temp_remove(&f);
+    free(data);
+}
+
+/*
+ * 4. A block beyond EOF: SE_ERR_TRUNCATED with the failing read described.
+ * The short file is the engine's second file, so the index is checked too.
+ */
+static void test_truncated_file(void) {
+    const uint64_t size = 10000;
+    unsigned char *data = random_bytes(size, 5);
+    temp_file other, f;
+    temp_create(&other, data, 100);
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(32 * KIB);
+    CHECK(dst != NULL);
+
+    /* Each case: the block's read range, and what got must be. */
+    const uint64_t begins[2] = {8192, 20000};
+    const uint64_t ends[2] = {12288, 24096};
+    const uint64_t gots[2] = {size - 8192, 0};
+    for (int c = 0; c < 2; c++) {
+        const se_unit units[2] = {{1, 0, 4096}, {1, begins[c], ends[c]}};
+        se_engine *e = engine_new(2, units, 2);
+        CHECK_EQ(engine_add(e, other.path, 0, NULL), 0);
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), 1);
+        const se_block ok = plain_block(1, 0, 0, 0, 4096, dst);
+        CHECK_EQ(se_engine_submit(e, &ok, 1), SE_OK);
+        uint8_t seen[2] = {0, 0};
+        collect(e, seen, 2, 1, 4);
+        CHECK_EQ(seen[0], 1);
+        CHECK(memcmp(dst, data, 4096) == 0);
+
+        const se_block bad = {1, 1, 1, begins[c], ends[c], begins[c], ends[c] - begins[c],
+                              dst + 8192};
+        CHECK_EQ(se_engine_submit(e, &bad, 1), SE_OK);
+        CHECK_EQ(wait_for_error(e), SE_ERR_TRUNCATED);
+        size_t n = 9999;
+        uint32_t ids[4];
+        CHECK_EQ(se_engine_wait(e, ids, 4, 0, &n), SE_ERR_TRUNCATED); /* the error sticks */
+
+        se_error_info err;
+        se_engine_error(e, &err);
+        CHECK_EQ(err.code, SE_ERR_TRUNCATED);
+        CHECK_EQ(err.sys_errno, 0);
+        CHECK_EQ(err.file, 1);
+        CHECK_EQ(err.offset, begins[c]);
+        CHECK_EQ(err.expected, ends[c] - begins[c]);
+        CHECK_EQ(err.got, gots[c]);
+        se_engine_destroy(e);
+    }
+
+    free(dst);
+    temp_remove(&f);
+    temp_remove(&other);
+    free(data);
+}
+
+/* 5. The file shrinks (ftruncate) between two submit batches: truncated, no hang. */
+static void test_file_shrinks_between_batches(void) {
+    const uint64_t size = 64 * KIB;
+    const uint64_t shrunk = 40000;
+    unsigned char *data = random_bytes(size, 6);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(size);
+    CHECK(dst != NULL);
+    const se_unit units[2] = {{0, 0, 32 * KIB}, {0, 32 * KIB, size}};
+
+    se_engine *e = engine_new(3, units, 2);
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+    const se_block first[2] = {
+        plain_block(0, 0, 0, 0, 16 * KIB, dst),
+        plain_block(0, 0, 0, 16 * KIB, 32 * KIB, dst),
+    };
+    CHECK_EQ(se_engine_submit(e, first, 2), SE_OK);
+    uint8_t seen[2] = {0, 0};
+    collect(e, seen, 2, 1, 2);
+    CHECK_EQ(seen[0], 1);
+    CHECK(memcmp(dst, data, 32 * KIB) == 0);
+
+    CHECK(ftruncate(f.fd, (off_t)shrunk) == 0);
+    const se_block second = plain_block(0, 1, 1, 32 * KIB, size, dst);
+    CHECK_EQ(se_engine_submit(e, &second, 1), SE_OK);
+    CHECK_EQ(wait_for_error(e), SE_ERR_TRUNCATED);
+    se_error_info err;
+    se_engine_error(e, &err);
+    CHECK_EQ(err.code, SE_ERR_TRUNCATED);
+    CHECK_EQ(err.file, 0);
+    CHECK_EQ(err.offset, 32 * KIB);
+    CHECK_EQ(err.expected, size - 32 * KIB);
+    CHECK_EQ(err.got, shrunk - 32 * KIB);
+    se_engine_destroy(e);
+
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+/* 6. A missing file fails to open with ENOENT; malformed blocks are refused, none queued. */
+static void test_invalid_arguments(void) {
+    const uint64_t size = 8192;
+    unsigned char *data = random_bytes(size, 7);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(size);
+    CHECK(dst != NULL);
+    const se_unit units[2] = {{0, 0, 4096}, {0, 4096, size}};
+    se_engine *e = engine_new(2, units, 2);
+
+    char missing[4200];
+    int len = snprintf(missing, sizeof(missing), "%s.missing", f.path);
+    CHECK(len > 0 && (size_t)len < sizeof(missing));
+    for (int32_t direct = 0; direct <= 1; direct++) {
+        int32_t is_direct = -1;
+        int32_t sys_errno = -1;
+        CHECK_EQ(se_engine_add_file(e, missing, direct, &is_direct, &sys_errno), SE_ERR_OPEN);
+        CHECK_EQ(sys_errno, ENOENT);
+    }
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+
+    const se_block good = plain_block(0, 0, 0, 0, 4096, dst);
+    se_block bad[8];
+    for (int i = 0; i < 8; i++) {
+        bad[i] = good;
+    }
+    bad[0].file = 1;        /* only file 0 exists */
+    bad[1].file = -1;
+    bad[2].last_unit = 2;   /* only units 0 and 1 exist */
+    bad[3].first_unit = 2;
+    bad[3].last_unit = 2;
+    bad[4].first_unit = 1;  /* first > last */
+    bad[4].last_unit = 0;
+    bad[5].acc_end = 5000;  /* credited range ends after the read */
+    bad[6].acc_begin = 4096; /* empty credited range */
+    bad[7].acc_begin = 100; /* credited range starts before the read */
+    bad[7].read_offset = 200;
+    bad[7].read_length = 3896;
+    for (int i = 0; i < 8; i++) {
+        CHECK_EQ(se_engine_submit(e, &bad[i], 1), SE_ERR_INVALID);
+    }
+    /* A batch with one bad block is refused whole: the good one must not run. */
+    const se_block mixed[2] = {good, bad[0]};
+    CHECK_EQ(se_engine_submit(e, mixed, 2), SE_ERR_INVALID);
+    expect_quiet(e, 50);
+
+    /* The engine still works afterwards, and ran only these two blocks. */
+    const se_block blocks[2] = {good, plain_block(0, 1, 1, 4096, size, dst)};
+    CHECK_EQ(se_engine_submit(e, blocks, 2), SE_OK);
+    uint8_t seen[2] = {0, 0};
+    collect(e, seen, 2, 2, 4);
+    expect_quiet(e, 20);
+    se_stats stats;
+    se_engine_stats(e, &stats);
+    CHECK_EQ(stats.blocks_done, 2);
+    CHECK(memcmp(dst, data, size) == 0);
+    se_engine_destroy(e);
+
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+typedef struct waiter {
+    se_engine *engine;
+    int32_t rc;
+    double seconds;
+} waiter;
+
+static void *waiter_main(void *arg) {
+    waiter *w = arg;
+    uint32_t ids[4];
+    size_t n = 0;
+    double start = now_seconds();
+    w->rc = se_engine_wait(w->engine, ids, 4, 30000, &n);
+    w->seconds = now_seconds() - start;
+    return NULL;
+}
+
+/* 7. Cancel: queued blocks are dropped, waiters return SE_ERR_CANCELLED, destroy is prompt. */
+static void test_cancel(void) {
+    const uint64_t size = 16 * MIB;
+    const uint64_t block = 16 * KIB;
+    const uint32_t n_units = (uint32_t)(size / block);
+    unsigned char *data = random_bytes(size, 8);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(size);
+    se_unit *units = malloc(n_units * sizeof(*units));
+    se_block *blocks = malloc(n_units * sizeof(*blocks));
+    CHECK(dst != NULL && units != NULL && blocks != NULL);
+    for (uint32_t u = 0; u < n_units; u++) {
+        se_unit unit = {0, u * block, (u + 1) * block};
+        units[u] = unit;
+        blocks[u] = plain_block(0, u, u, unit.begin, unit.end, dst);
+    }
+
+    for (uint32_t workers = 1; workers <= 4; workers *= 2) {
+        se_engine *e = engine_new(workers, units, n_units);
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+        CHECK_EQ(se_engine_submit(e, blocks, n_units), SE_OK);
+        double start = now_seconds();
+        se_engine_cancel(e);
+        size_t n = 9999;
+        uint32_t ids[4];
+        CHECK_EQ(se_engine_wait(e, ids, 4, 1000, &n), SE_ERR_CANCELLED);
+        CHECK_EQ(se_engine_wait(e, ids, 4, 0, &n), SE_ERR_CANCELLED);
+        se_engine_destroy(e);
+        CHECK(now_seconds() - start < 10.0);
+    }
+
+    /* A waiter blocked on a unit that never completes is woken by cancel. */
+    {
+        se_engine *e = engine_new(2, units, n_units);
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+        waiter w = {e, 12345, 0.0};
+        pthread_t thread;
+        CHECK(pthread_create(&thread, NULL, waiter_main, &w) == 0);
+        sleep_ms(50);
+        se_engine_cancel(e);
+        CHECK(pthread_join(thread, NULL) == 0);
+        CHECK_EQ(w.rc, SE_ERR_CANCELLED);
+        CHECK(w.seconds < 10.0);
+        se_engine_destroy(e);
+    }
+
+    free(blocks);
+    free(units);
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+/* 8. Destroy with queued blocks and no wait; destroy(NULL); bad create arguments. */
+static void test_create_destroy(void) {
+    const uint64_t size = 4 * MIB;
+    const uint64_t block = 4 * KIB;
+    const uint32_t n_units = (uint32_t)(size / block);
+    unsigned char *data = random_bytes(size, 9);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(size);
+    se_unit *units = malloc(n_units * sizeof(*units));
+    se_block *blocks = malloc(n_units * sizeof(*blocks));
+    CHECK(dst != NULL && units != NULL && blocks != NULL);
+    for (uint32_t u = 0; u < n_units; u++) {
+        se_unit unit = {0, u * block, (u + 1) * block};
+        units[u] = unit;
+        blocks[u] = plain_block(0, u, u, unit.begin, unit.end, dst);
+    }
+
+    for (uint32_t workers = 1; workers <= 8; workers *= 2) {
+        se_engine *e = engine_new(workers, units, n_units);
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+        CHECK_EQ(se_engine_submit(e, blocks, n_units), SE_OK);
+        se_engine_destroy(e);
+    }
+    se_engine_destroy(engine_new(3, units, n_units)); /* never given a file */
+    se_engine_destroy(NULL);
+
+    int32_t status = 12345;
+    CHECK(se_engine_create(0, units, n_units, &status) == NULL);
+    CHECK_EQ(status, SE_ERR_INVALID);
+    const se_unit empty[1] = {{0, 100, 100}}; /* end must be > begin */
+    status = 12345;
+    CHECK(se_engine_create(2, empty, 1, &status) == NULL);
+    CHECK_EQ(status, SE_ERR_INVALID);
+
+    free(blocks);
+    free(units);
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+/* 9. se_alloc/se_free, and se_resident_bytes on a read file, an empty file, a missing file. */
+static void test_memory_and_residency(void) {
+    const size_t sizes[2] = {1, 3 * MIB + 1};
+    for (int32_t huge = 0; huge <= 1; huge++) {
+        for (int s = 0; s < 2; s++) {
+            unsigned char *p = se_alloc(sizes[s], huge);
+            CHECK(p != NULL);
+            CHECK((uintptr_t)p % (huge ? 2 * MIB : 4096) == 0);
+            for (size_t i = 0; i < sizes[s]; i++) {
+                p[i] = (unsigned char)(i * 7);
+            }
+            for (size_t i = 0; i < sizes[s]; i++) {
+                CHECK(p[i] == (unsigned char)(i * 7));
+            }
+            se_free(p, sizes[s], huge);
+        }
+    }
+
+    const uint64_t size = MIB + 5;
+    unsigned char *data = random_bytes(size, 10);
+    temp_file f;
+    temp_create(&f, data, size);
+    CHECK(lseek(f.fd, 0, SEEK_SET) == 0);
+    unsigned char *back = malloc(size);
+    CHECK(back != NULL);
+    size_t done = 0;
+    while (done < size) {
+        ssize_t n = read(f.fd, back + done, size - done);
+        CHECK(n > 0);
+        done += (size_t)n;
+    }
+    CHECK(memcmp(back, data, size) == 0);
+    uint64_t resident = 0;
+    uint64_t total = 0;
+    int32_t sys_errno = -1;
+    CHECK_EQ(se_resident_bytes(f.path, &resident, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, size);
+    CHECK(resident > 0 && resident <= size);
+
+    char missing[4200];
+    int len = snprintf(missing, sizeof(missing), "%s.missing", f.path);
+    CHECK(len > 0 && (size_t)len < sizeof(missing));
+    sys_errno = -1;
+    CHECK_EQ(se_resident_bytes(missing, &resident, &total, &sys_errno), SE_ERR_OPEN);
+    CHECK_EQ(sys_errno, ENOENT);
+
+    temp_file empty;
+    temp_create(&empty, data, 0);
+    resident = 1;
+    total = 1;
+    CHECK_EQ(se_resident_bytes(empty.path, &resident, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, 0);
+    CHECK_EQ(resident, 0);
+
+    temp_remove(&empty);
+    free(back);
+    temp_remove(&f);
+    free(data);
+}
+
+/* 10. Stats count every byte pread returned and every block read. */
+static void test_stats(void) {
+    const uint64_t size = MIB + 7;
+    unsigned char *data = random_bytes(size, 11);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(size);
+    CHECK(dst != NULL);
+    const se_unit units[3] = {{0, 0, 1000}, {0, 1000, 700000}, {0, 700000, size}};
+    se_block blocks[32];
+
+    se_engine *e = engine_new(3, units, 3);
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+    se_stats stats;
+    se_engine_stats(e, &stats);
+    CHECK_EQ(stats.bytes_read, 0);
+    CHECK_EQ(stats.blocks_done, 0);
+
+    size_t n_blocks = plan_blocks(units, 0, 3, size, 40000, 0, dst, blocks);
+    CHECK(n_blocks <= 32);
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n_blocks; i++) {
+        bytes += blocks[i].read_length;
+    }
+    CHECK_EQ(bytes, size);
+    CHECK_EQ(se_engine_submit(e, blocks, n_blocks), SE_OK);
+    uint8_t seen[3] = {0, 0, 0};
+    collect(e, seen, 3, 3, 3);
+    wait_blocks_done(e, n_blocks);
+    se_engine_stats(e, &stats);
+    CHECK(stats.bytes_read >= bytes);
+    CHECK_EQ(stats.blocks_done, n_blocks);
+    CHECK(stats.read_seconds >= 0.0);
+    CHECK(stats.idle_seconds >= 0.0);
+    se_engine_destroy(e);
+    CHECK(memcmp(dst, data, size) == 0);
+
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+/* 11. Stress: create, submit, wait for all, destroy, 50 times with 8 workers. */
+static void test_stress(void) {
+    const uint64_t size = 256 * KIB;
+    const uint32_t n_units = 64;
+    unsigned char *data = random_bytes(size, 12);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(size);
+    se_unit *units = malloc(n_units * sizeof(*units));
+    se_block *blocks = malloc((size / 3000 + 2) * sizeof(*blocks));
+    CHECK(dst != NULL && units != NULL && blocks != NULL);
+    for (uint32_t u = 0; u < n_units; u++) {
+        se_unit unit = {0, u * (size / n_units), (u + 1) * (size / n_units)};
+        units[u] = unit;
+    }
+    size_t n_blocks = plan_blocks(units, 0, n_units, size, 3000, 0, dst, blocks);
+    CHECK(n_blocks <= size / 3000 + 2);
+
+    for (int iteration = 0; iteration < 50; iteration++) {
+        memset(dst, 0, size);
+        se_engine *e = engine_new(8, units, n_units);
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+        size_t half = n_blocks / 2;
+        CHECK_EQ(se_engine_submit(e, blocks, half), SE_OK);
+        CHECK_EQ(se_engine_submit(e, blocks + half, n_blocks - half), SE_OK);
+        uint8_t seen[64] = {0};
+        collect(e, seen, n_units, n_units, 1 + (size_t)iteration % 16);
+        se_engine_destroy(e);
+        CHECK(memcmp(dst, data, size) == 0);
+    }
+
+    free(blocks);
+    free(units);
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+/*
+ * 12. Files added while workers read earlier files: the header lets the
+ * controlling thread call any function while the workers run. The first 8
+ * files' blocks are queued before the rest are added, so a growing file
+ * table (if the engine has one) very likely moves while reads are in flight.
+ */
+static void test_add_files_while_reading(void) {
+    enum { N_FILES = 260, FIRST = 8 }; /* tables of 8, 16, ... 256 entries all fill up */
+    const uint64_t size = 256 * KIB;
+    const uint64_t block = 32 * KIB;
+    const uint32_t per_file = (uint32_t)(size / block);
+    const uint32_t n_units = N_FILES * per_file;
+    unsigned char *data = random_bytes(size, 13);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = malloc(N_FILES * size);
+    se_unit *units = malloc(n_units * sizeof(*units));
+    se_block *blocks = malloc(n_units * sizeof(*blocks));
+    uint8_t *seen = calloc(n_units, 1);
+    CHECK(dst != NULL && units != NULL && blocks != NULL && seen != NULL);
+    for (uint32_t u = 0; u < n_units; u++) {
+        int32_t file = (int32_t)(u / per_file);
+        uint64_t begin = (u % per_file) * block;
+        se_unit unit = {file, begin, begin + block};
+        units[u] = unit;
+        blocks[u] = plain_block(file, u, u, begin, begin + block, dst + (uint64_t)file * size);
+    }
+
+    se_engine *e = engine_new(4, units, n_units);
+    for (int32_t file = 0; file < FIRST; file++) {
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), file);
+    }
+    CHECK_EQ(se_engine_submit(e, blocks, (size_t)FIRST * per_file), SE_OK);
+    sleep_ms(1); /* let the workers start reading */
+    for (int32_t file = FIRST; file < N_FILES; file++) {
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), file);
+        CHECK_EQ(se_engine_submit(e, blocks + (size_t)file * per_file, per_file), SE_OK);
+    }
+    collect(e, seen, n_units, n_units, 64);
+    se_engine_destroy(e);
+    for (int file = 0; file < N_FILES; file++) {
+        CHECK(memcmp(dst + (uint64_t)file * size, data, size) == 0);
+    }
+
+    free(seen);
+    free(blocks);
+    free(units);
+    free(dst);
+    temp_remove(&f);
+    free(data);
+}
+
+int main(void) {
+    RUN(test_read_many_units);
+    RUN(test_straddling_blocks);
+    RUN(test_direct_io);
+    RUN(test_truncated_file);
+    RUN(test_file_shrinks_between_batches);
+    RUN(test_invalid_arguments);
+    RUN(test_cancel);
+    RUN(test_create_destroy);
+    RUN(test_memory_and_residency);
+    RUN(test_stats);
+    RUN(test_stress);
+    RUN(test_add_files_while_reading);
+    printf("engine tests: %d passed, 0 failed\n", g_passed);
+    return 0;
+}

@@ -1,0 +1,71 @@
+"""A checkpoint: the parsed headers of all its files and a name → tensor table."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from streamer.errors import SourceError
+from streamer.format.safetensors import FileHeader, TensorEntry, read_header
+from streamer.sources import ResolvedSource, SourceLike, resolve
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor and the index of the file (in ``Checkpoint.headers``) that holds it."""
+
+    file: int
+    entry: TensorEntry
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    headers: tuple[FileHeader, ...]
+    tensors: dict[str, TensorRef]  # in checkpoint order: file order, then offset order
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(h.path for h in self.headers)
+
+    def metadata(self) -> dict[str, str]:
+        """``__metadata__`` of every file, merged in file order (the first file wins a clash)."""
+        merged: dict[str, str] = {}
+        for header in self.headers:
+            for key, value in header.metadata.items():
+                merged.setdefault(key, value)
+        return merged
+
+    def ref(self, name: str) -> TensorRef:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise SourceError("no tensor of that name in the checkpoint", tensor=name) from None
+
+    def refs(self) -> Iterator[TensorRef]:
+        return iter(self.tensors.values())
+
+
+def open_checkpoint(source: SourceLike) -> Checkpoint:
+    """Resolves the source and parses every header; no tensor data is read."""
+    resolved = resolve(source)
+    headers = tuple(read_header(path) for path in resolved.paths)
+    tensors: dict[str, TensorRef] = {}
+    for index, header in enumerate(headers):
+        for entry in header.tensors:
+            previous = tensors.get(entry.name)
+            if previous is not None:
+                raise SourceError(
+                    f"tensor also defined in {headers[previous.file].path!r}", path=header.path, tensor=entry.name
+                )
+            tensors[entry.name] = TensorRef(index, entry)
+    _check_weight_map(resolved, headers, tensors)
+    return Checkpoint(headers=headers, tensors=tensors)
+
+
+def _check_weight_map(resolved: ResolvedSource, headers: tuple[FileHeader, ...], tensors: dict[str, TensorRef]) -> None:
+    """Every tensor the index promises must be in the shard the index names."""
+    for name, path in resolved.weight_map.items():
+        ref = tensors.get(name)
+        if ref is None or headers[ref.file].path != path:
+            raise SourceError(f"the index places this tensor in {path!r}, which does not hold it",
+                              path=resolved.index_path, tensor=name)

@@ -1,0 +1,237 @@
+"""cffi binding of the C engine (``native/``), loaded in ABI mode with ``dlopen``.
+
+The C library has no Python dependency; this module is the only place that
+knows its symbols. cffi releases the GIL around every call, so a blocking
+``wait`` lets other Python threads run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import cffi
+
+_CDEF = """
+typedef struct se_unit { int32_t file; uint64_t begin; uint64_t end; } se_unit;
+typedef struct se_block {
+    int32_t file; uint32_t first_unit; uint32_t last_unit;
+    uint64_t acc_begin; uint64_t acc_end; uint64_t read_offset; uint64_t read_length; void *dst;
+} se_block;
+typedef struct se_error_info {
+    int32_t code; int32_t sys_errno; int32_t file; uint64_t offset; uint64_t expected; uint64_t got;
+} se_error_info;
+typedef struct se_stats {
+    uint64_t bytes_read; uint64_t blocks_done; double read_seconds; double idle_seconds;
+} se_stats;
+typedef struct se_engine se_engine;
+se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n_units, int32_t *status);
+int32_t se_engine_add_file(se_engine *engine, const char *path, int32_t want_direct,
+                           int32_t *is_direct, int32_t *sys_errno);
+int32_t se_engine_submit(se_engine *engine, const se_block *blocks, size_t n_blocks);
+int32_t se_engine_wait(se_engine *engine, uint32_t *unit_ids, size_t max_ids, int32_t timeout_ms,
+                       size_t *n_out);
+void se_engine_error(se_engine *engine, se_error_info *out);
+void se_engine_stats(se_engine *engine, se_stats *out);
+void se_engine_cancel(se_engine *engine);
+void se_engine_destroy(se_engine *engine);
+void *se_alloc(size_t size, int32_t hugepage);
+void se_free(void *ptr, size_t size, int32_t hugepage);
+int32_t se_resident_bytes(const char *path, uint64_t *resident, uint64_t *total, int32_t *sys_errno);
+"""
+
+OK = 0
+ERR_NOMEM = -1
+ERR_OPEN = -2
+ERR_READ = -3
+ERR_TRUNCATED = -4
+ERR_CANCELLED = -5
+ERR_INVALID = -6
+ERR_THREAD = -7
+
+_LIBRARY_NAME = "libstreamer_engine.so"
+
+ffi = cffi.FFI()
+ffi.cdef(_CDEF)
+
+
+@functools.cache
+def _lib() -> Any:
+    """Loads the engine once; ``STREAMER_NATIVE_LIB`` points a developer build at another copy."""
+    override = os.environ.get("STREAMER_NATIVE_LIB")
+    path = Path(override) if override else Path(__file__).resolve().parent.parent / "_native" / _LIBRARY_NAME
+    if not path.is_file():
+        raise ImportError(
+            f"streamer's native engine is missing at {path}; install the package with `pip install .` "
+            "(it builds native/ with CMake)"
+        )
+    return ffi.dlopen(str(path))
+
+
+class EngineFailure(Exception):
+    """A run failed inside the engine; the loader turns it into a named ``StreamerError``."""
+
+    def __init__(self, info: ErrorInfo) -> None:
+        super().__init__(f"engine status {info.code} (errno {info.sys_errno})")
+        self.info = info
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    code: int
+    sys_errno: int
+    file: int
+    offset: int
+    expected: int
+    got: int
+
+
+class Block(NamedTuple):
+    """One read: see ``se_block`` in native/include/streamer_engine.h."""
+
+    file: int
+    first_unit: int
+    last_unit: int
+    acc_begin: int
+    acc_end: int
+    read_offset: int
+    read_length: int
+    dst: int  # address
+
+
+class Unit(NamedTuple):
+    file: int
+    begin: int
+    end: int
+
+
+def _raise_status(status: int, what: str) -> None:
+    if status == ERR_NOMEM:
+        raise MemoryError(f"{what}: out of memory")
+    if status == ERR_THREAD:
+        raise RuntimeError(f"{what}: could not start a reader thread")
+    raise ValueError(f"{what}: engine status {status}")
+
+
+class Engine:
+    """A pool of reader threads for one run. ``close()`` joins them and closes files."""
+
+    def __init__(self, n_workers: int, units: Sequence[Unit]) -> None:
+        lib = _lib()
+        table = ffi.new("se_unit[]", max(len(units), 1))
+        for i, unit in enumerate(units):
+            table[i].file = unit.file
+            table[i].begin = unit.begin
+            table[i].end = unit.end
+        status = ffi.new("int32_t *")
+        handle = lib.se_engine_create(n_workers, table, len(units), status)
+        if handle == ffi.NULL:
+            _raise_status(status[0], "creating the reader pool")
+        self._lib = lib
+        self._handle: Any = handle
+        self._ids = ffi.new("uint32_t[]", 4096)
+        self._n_out = ffi.new("size_t *")
+
+    def add_file(self, path: str, want_direct: bool) -> tuple[int, bool]:
+        """Opens ``path``; returns its index and whether O_DIRECT took effect. Raises OSError."""
+        is_direct = ffi.new("int32_t *")
+        sys_errno = ffi.new("int32_t *")
+        index = self._lib.se_engine_add_file(self._handle, os.fsencode(path), int(want_direct), is_direct, sys_errno)
+        if index == ERR_OPEN:
+            raise OSError(sys_errno[0], os.strerror(sys_errno[0]), path)
+        if index < 0:
+            _raise_status(index, f"opening {path}")
+        return int(index), bool(is_direct[0])
+
+    def submit(self, blocks: Sequence[Block]) -> None:
+        if not blocks:
+            return
+        array = ffi.new("se_block[]", len(blocks))
+        for i, block in enumerate(blocks):
+            entry = array[i]
+            entry.file = block.file
+            entry.first_unit = block.first_unit
+            entry.last_unit = block.last_unit
+            entry.acc_begin = block.acc_begin
+            entry.acc_end = block.acc_end
+            entry.read_offset = block.read_offset
+            entry.read_length = block.read_length
+            entry.dst = ffi.cast("void *", block.dst)
+        status = self._lib.se_engine_submit(self._handle, array, len(blocks))
+        if status != OK:
+            self._raise_failure(status)
+
+    def wait(self, timeout_ms: int) -> list[int]:
+        """Completed unit ids (empty on timeout); raises EngineFailure once the run failed."""
+        status = self._lib.se_engine_wait(self._handle, self._ids, 4096, timeout_ms, self._n_out)
+        if status != OK:
+            self._raise_failure(status)
+        return list(self._ids[0 : self._n_out[0]])
+
+    def _raise_failure(self, status: int) -> None:
+        info = ffi.new("se_error_info *")
+        self._lib.se_engine_error(self._handle, info)
+        code = info.code if info.code != OK else status
+        raise EngineFailure(
+            ErrorInfo(code, info.sys_errno, info.file, info.offset, info.expected, info.got)
+        )
+
+    def stats(self) -> dict[str, float]:
+        out = ffi.new("se_stats *")
+        self._lib.se_engine_stats(self._handle, out)
+        return {
+            "bytes_read": out.bytes_read,
+            "blocks_done": out.blocks_done,
+            "read_seconds": out.read_seconds,
+            "idle_seconds": out.idle_seconds,
+        }
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._lib.se_engine_cancel(self._handle)
+
+    def close(self) -> None:
+        """Waits for in-flight reads, joins the threads, closes the files. Idempotent."""
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            self._lib.se_engine_destroy(handle)
+
+
+def allocate(size: int, hugepages: bool, on_free: Callable[[], None]) -> Any:
+    """Anonymous memory owned by the returned cdata: freed (then ``on_free()``) when it dies."""
+    lib = _lib()
+    huge = int(hugepages)
+    pointer = lib.se_alloc(size, huge)
+    if pointer == ffi.NULL:
+        raise MemoryError(f"cannot allocate {size} bytes of host memory")
+
+    def release(p: Any) -> None:
+        lib.se_free(p, size, huge)
+        on_free()
+
+    return ffi.gc(pointer, release, size=size)
+
+
+def as_buffer(memory: Any, size: int) -> Any:
+    """A writable Python buffer over ``memory`` that keeps it alive."""
+    return ffi.buffer(memory, size)
+
+
+def address(memory: Any) -> int:
+    return int(ffi.cast("uintptr_t", memory))
+
+
+def resident_bytes(path: str) -> tuple[int, int]:
+    """(bytes in the page cache, file size). Raises OSError."""
+    resident = ffi.new("uint64_t *")
+    total = ffi.new("uint64_t *")
+    sys_errno = ffi.new("int32_t *")
+    status = _lib().se_resident_bytes(os.fsencode(path), resident, total, sys_errno)
+    if status != OK:
+        code = sys_errno[0]
+        raise OSError(code, os.strerror(code) if code else f"engine status {status}", path)
+    return int(resident[0]), int(total[0])

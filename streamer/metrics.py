@@ -1,0 +1,76 @@
+"""What a load measured about itself, available as a plain dict afterwards."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LoadMetrics:
+    """Counters of one run. Times are seconds; ``*_wait_seconds`` are stalls of the consumer."""
+
+    files: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    blocks: int = 0
+    direct_files: int = 0
+    buffered_files: int = 0
+    seconds: float = 0.0
+    time_to_first_tensor: float | None = None
+    consumer_wait_seconds: float = 0.0
+    memory_wait_seconds: float = 0.0
+    alloc_seconds: float = 0.0
+    peak_buffer_bytes: int = 0
+    engine: dict[str, float] = field(default_factory=dict)
+    _started: float = 0.0
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def file_opened(self, direct: bool) -> None:
+        if direct:
+            self.direct_files += 1
+        else:
+            self.buffered_files += 1
+
+    def tensor_delivered(self) -> None:
+        if self.time_to_first_tensor is None:
+            self.time_to_first_tensor = time.perf_counter() - self._started
+
+    def add_wait(self, seconds: float, blocked_on_memory: bool) -> None:
+        self.consumer_wait_seconds += seconds
+        if blocked_on_memory:
+            self.memory_wait_seconds += seconds
+
+    def add_alloc(self, seconds: float) -> None:
+        self.alloc_seconds += seconds
+
+    def add_engine_stats(self, stats: dict[str, float]) -> None:
+        self.engine = dict(stats)
+
+    def finish(self, peak_buffer_bytes: int) -> None:
+        self.seconds = time.perf_counter() - self._started
+        self.peak_buffer_bytes = peak_buffer_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, JSON-friendly view; ``gb_per_s`` counts tensor bytes per wall second (1 GB = 1e9 B)."""
+        return {
+            "files": self.files,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "seconds": self.seconds,
+            "gb_per_s": self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0,
+            "time_to_first_tensor_s": self.time_to_first_tensor,
+            "blocks": self.blocks,
+            "direct_files": self.direct_files,
+            "buffered_files": self.buffered_files,
+            "consumer_wait_s": self.consumer_wait_seconds,
+            "memory_wait_s": self.memory_wait_seconds,
+            "alloc_s": self.alloc_seconds,
+            "peak_buffer_bytes": self.peak_buffer_bytes,
+            "bytes_read": int(self.engine.get("bytes_read", 0)),
+            "read_s": self.engine.get("read_seconds", 0.0),
+            "worker_idle_s": self.engine.get("idle_seconds", 0.0),
+        }

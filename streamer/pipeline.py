@@ -1,0 +1,225 @@
+"""One load run: plan the reads, feed the engine under the memory budget, hand out tensors.
+
+The run is driven from the consumer's thread: each time it asks for the next
+tensor, the run queues every segment the budget allows, then waits (GIL
+released) for the engine to report whole tensors. Reader threads never wait
+for the consumer unless the budget is exhausted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import time
+import warnings
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from streamer.checkpoint import Checkpoint, TensorRef
+from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
+from streamer.engine import native
+from streamer.errors import ReadError, SourceError, StreamerError
+from streamer.metrics import LoadMetrics
+from streamer.planner import Segment, plan_segments
+
+_WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
+_CACHED_FRACTION = 0.5  # auto mode reads a file buffered when at least this much of it is cached
+
+
+class LoadRun:
+    """Reads a selection of tensors once. Iterate ``results()``; ``close()`` is idempotent."""
+
+    def __init__(self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig, *,
+                 ordered: bool) -> None:
+        self._checkpoint = checkpoint
+        self._config = config
+        self._ordered = ordered
+        self._refs = sorted(refs, key=lambda r: (r.file, r.entry.begin, r.entry.name))
+        self._files = sorted({r.file for r in self._refs})
+        engine_file = {file: i for i, file in enumerate(self._files)}
+        self._unit_refs = [r for r in self._refs if r.entry.nbytes > 0]
+        self._units = [native.Unit(engine_file[r.file], r.entry.begin, r.entry.end) for r in self._unit_refs]
+        segment_bytes = None if config.memory_limit is None else max(config.block_size, config.memory_limit // 4)
+        self._segments = plan_segments(
+            self._units, block_size=config.block_size, segment_bytes=segment_bytes, alignment=DIRECT_IO_ALIGNMENT
+        )
+        self._segment_of_unit = [0] * len(self._units)
+        for index, segment in enumerate(self._segments):
+            for unit in range(segment.first_unit, segment.last_unit + 1):
+                self._segment_of_unit[unit] = index
+        self._budget = MemoryBudget(config.memory_limit)
+        self._engine: native.Engine | None = None
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._undelivered: dict[int, int] = {}
+        self._next_segment = 0
+        self._in_flight = 0
+        self._warned_over_limit = False
+        self.metrics = LoadMetrics(files=len(self._files), tensors=len(self._refs),
+                                   bytes=sum(r.entry.nbytes for r in self._refs))
+
+    def results(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields ``(name, tensor)`` in completion order, or checkpoint order if ``ordered``."""
+        try:
+            yield from self._run()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stops reading, waits for in-flight reads, then lets go of the buffers."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            self.metrics.add_engine_stats(engine.stats())
+            engine.close()
+            self.metrics.finish(self._budget.peak)
+        self._buffers.clear()
+
+    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.metrics.start()
+        self._engine = self._start_engine()
+        pending: dict[int, tuple[str, torch.Tensor]] = {}  # position in self._refs -> result
+        ready: deque[tuple[str, torch.Tensor]] = deque()
+        unit_position = [i for i, r in enumerate(self._refs) if r.entry.nbytes > 0]
+        for position, ref in enumerate(self._refs):
+            if ref.entry.nbytes == 0:
+                pending[position] = (ref.entry.name, empty_tensor(ref.entry))
+        if not self._ordered:
+            ready.extend(pending.values())
+            pending.clear()
+        next_position = 0
+        delivered = 0
+        while delivered < len(self._refs):
+            blocked_on_memory = not self._submit_what_fits()
+            while ready or next_position in pending:
+                if ready:
+                    item = ready.popleft()
+                else:
+                    item = pending.pop(next_position)
+                    next_position += 1
+                delivered += 1
+                self.metrics.tensor_delivered()
+                yield item
+            if delivered == len(self._refs):
+                break
+            waited = time.perf_counter()
+            try:
+                completed = self._engine.wait(_WAIT_MS)
+            except native.EngineFailure as failure:
+                raise self._error_for(failure.info) from None
+            self.metrics.add_wait(time.perf_counter() - waited, blocked_on_memory)
+            for unit in completed:
+                self._in_flight -= 1
+                result = self._take_tensor(unit)
+                if self._ordered:
+                    pending[unit_position[unit]] = result
+                else:
+                    ready.append(result)
+
+    def _start_engine(self) -> native.Engine:
+        engine = native.Engine(self._config.concurrency, self._units)
+        try:
+            for index, file in enumerate(self._files):
+                path = self._checkpoint.headers[file].path
+                try:
+                    engine_index, direct = engine.add_file(path, self._wants_direct(path))
+                except OSError as exc:
+                    raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
+                if engine_index != index:
+                    raise StreamerError(f"engine numbered file {engine_index}, expected {index}", path=path)
+                self.metrics.file_opened(direct)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def _wants_direct(self, path: str) -> bool:
+        """O_DIRECT for files the page cache does not hold; buffered reads for those it does."""
+        if self._config.io_mode == "buffered" or self._config.block_size % DIRECT_IO_ALIGNMENT:
+            return False
+        if self._config.io_mode == "direct":
+            return True
+        try:
+            resident, total = native.resident_bytes(path)
+        except OSError:
+            return False
+        return resident < total * _CACHED_FRACTION
+
+    def _submit_what_fits(self) -> bool:
+        """Queues segments in order while the budget allows; False if one is waiting for memory.
+
+        When nothing of this run is in flight or undelivered, the next segment is queued even
+        over the limit: either it holds a tensor larger than the limit, or the consumer keeps
+        what it was given. Reading then goes on one segment at a time instead of stalling.
+        """
+        assert self._engine is not None
+        while self._next_segment < len(self._segments):
+            index = self._next_segment
+            segment = self._segments[index]
+            alone = not self._buffers
+            if not self._budget.try_reserve(segment.size, force=alone):
+                return False
+            if alone and self._budget.over_limit and not self._warned_over_limit:
+                self._warned_over_limit = True
+                warnings.warn(
+                    f"memory_limit {self._config.memory_limit} exceeded: {self._budget.used} bytes are "
+                    "held by tensors already handed out or by a tensor larger than the limit; "
+                    "reading continues one segment at a time",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            self._queue_segment(index, segment)
+            self._next_segment += 1
+        return True
+
+    def _queue_segment(self, index: int, segment: Segment) -> None:
+        assert self._engine is not None
+        allocated = time.perf_counter()
+        try:
+            buffer, base = allocate_buffer(segment.size, hugepages=self._config.hugepages, budget=self._budget)
+        except MemoryError:
+            self._budget.release(segment.size)
+            raise
+        self.metrics.add_alloc(time.perf_counter() - allocated)
+        self._buffers[index] = buffer
+        self._undelivered[index] = segment.last_unit - segment.first_unit + 1
+        self._in_flight += segment.last_unit - segment.first_unit + 1
+        try:
+            self._engine.submit([block._replace(dst=base + block.dst) for block in segment.blocks])
+        except native.EngineFailure as failure:
+            raise self._error_for(failure.info) from None
+        self.metrics.blocks += len(segment.blocks)
+
+    def _take_tensor(self, unit: int) -> tuple[str, torch.Tensor]:
+        index = self._segment_of_unit[unit]
+        segment = self._segments[index]
+        entry = self._unit_refs[unit].entry
+        tensor = tensor_view(self._buffers[index], entry.begin - segment.buffer_begin, entry)
+        self._undelivered[index] -= 1
+        if self._undelivered[index] == 0:
+            del self._buffers[index]  # the views now own it
+            del self._undelivered[index]
+        return entry.name, tensor
+
+    def _error_for(self, info: native.ErrorInfo) -> StreamerError:
+        if info.code == native.ERR_CANCELLED:
+            return StreamerError("the load was cancelled")
+        if info.file < 0 or info.file >= len(self._files):
+            return StreamerError(f"the engine failed with status {info.code}")
+        path = self._checkpoint.headers[self._files[info.file]].path
+        tensor = self._tensor_at(info.file, info.offset + info.got)
+        if info.code == native.ERR_TRUNCATED:
+            message = (f"file ended early: {info.got} of {info.expected} bytes read "
+                       "(truncated or replaced while loading?)")
+        elif info.code == native.ERR_READ:
+            message = f"read failed: {os.strerror(info.sys_errno)}"
+        else:
+            message = f"read failed with engine status {info.code}"
+        return ReadError(message, path=path, tensor=tensor, offset=info.offset)
+
+    def _tensor_at(self, engine_file: int, position: int) -> str | None:
+        """The tensor holding ``position`` in the file, or the next one after it."""
+        units = [(u.begin, u.end, i) for i, u in enumerate(self._units) if u.file == engine_file]
+        found = bisect.bisect_right([end for _, end, _ in units], position)
+        return self._unit_refs[units[found][2]].entry.name if found < len(units) else None

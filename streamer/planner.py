@@ -1,0 +1,94 @@
+"""Cuts tensors into equal, independent reads.
+
+Reads are sized by ``block_size``, not by tensors: a large tensor spans many
+blocks (so many threads share it) and small neighbours share one block. Blocks
+are grouped into segments, each backed by one destination buffer that mirrors
+a contiguous range of one file; segments bound how much memory is committed at
+once when a memory limit applies.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from streamer.engine.native import Block, Unit
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive units of one file, read into one buffer.
+
+    The buffer mirrors file bytes ``[buffer_begin, buffer_end)``; both are aligned so
+    that O_DIRECT reads land on aligned addresses. Block ``dst`` fields are offsets
+    into that buffer until the pipeline adds the buffer's address.
+    """
+
+    file: int
+    first_unit: int
+    last_unit: int  # inclusive
+    buffer_begin: int
+    buffer_end: int
+    blocks: tuple[Block, ...]
+
+    @property
+    def size(self) -> int:
+        return self.buffer_end - self.buffer_begin
+
+
+def _align_down(value: int, alignment: int) -> int:
+    return value - value % alignment
+
+
+def _align_up(value: int, alignment: int) -> int:
+    return _align_down(value + alignment - 1, alignment)
+
+
+def plan_segments(units: Sequence[Unit], *, block_size: int, segment_bytes: int | None,
+                  alignment: int) -> list[Segment]:
+    """Groups units (sorted by file, then offset) into segments of at most ``segment_bytes``.
+
+    A unit larger than ``segment_bytes`` gets a segment of its own.
+    """
+    segments: list[Segment] = []
+    start = 0
+    while start < len(units):
+        stop = start + 1
+        while (
+            stop < len(units)
+            and units[stop].file == units[start].file
+            and (segment_bytes is None or units[stop].end - units[start].begin <= segment_bytes)
+        ):
+            stop += 1
+        segments.append(_plan_segment(units, start, stop, block_size, alignment))
+        start = stop
+    return segments
+
+
+def _plan_segment(units: Sequence[Unit], start: int, stop: int, block_size: int, alignment: int) -> Segment:
+    first, last = units[start], units[stop - 1]
+    buffer_begin = _align_down(first.begin, alignment)
+    buffer_end = _align_up(last.end, alignment)
+    begins = [u.begin for u in units[start:stop]]
+    ends = [u.end for u in units[start:stop]]
+    blocks: list[Block] = []
+    for read_offset in range(buffer_begin, buffer_end, block_size):
+        read_end = min(read_offset + block_size, buffer_end)
+        acc_begin, acc_end = max(read_offset, first.begin), min(read_end, last.end)
+        # Units overlapping [acc_begin, acc_end): those ending after acc_begin and starting before acc_end.
+        lo = bisect.bisect_right(ends, acc_begin)
+        hi = bisect.bisect_left(begins, acc_end) - 1
+        if lo > hi:
+            continue  # padding between tensors: nothing to read
+        blocks.append(Block(
+            file=first.file,
+            first_unit=start + lo,
+            last_unit=start + hi,
+            acc_begin=acc_begin,
+            acc_end=acc_end,
+            read_offset=read_offset,
+            read_length=read_end - read_offset,
+            dst=read_offset - buffer_begin,
+        ))
+    return Segment(first.file, start, stop - 1, buffer_begin, buffer_end, tuple(blocks))
