@@ -91,13 +91,16 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
 int32_t se_engine_add_file(se_engine *engine, const char *path, int32_t want_direct,
                            int32_t *is_direct, int32_t *sys_errno);
 
-/* Queues blocks behind those already queued (FIFO). */
+/* Queues blocks behind those already queued (FIFO). A batch with an invalid block
+ * (bad index, empty or misplaced credited range, a unit of another file) is
+ * rejected whole with SE_ERR_INVALID. */
 int32_t se_engine_submit(se_engine *engine, const se_block *blocks, size_t n_blocks);
 
 /*
  * Waits up to timeout_ms for completed units and copies up to max_ids of
  * their indices into unit_ids, setting *n_out. Returns SE_OK (possibly with
- * *n_out == 0 on timeout) or the run's first error code.
+ * *n_out == 0 on timeout), the run's first error code, or SE_ERR_INVALID for a
+ * negative timeout.
  */
 int32_t se_engine_wait(se_engine *engine, uint32_t *unit_ids, size_t max_ids, int32_t timeout_ms,
                        size_t *n_out);

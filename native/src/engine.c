@@ -71,8 +71,7 @@ static void record_error(se_engine *e, int32_t code, int32_t sys_errno, const se
 }
 
 /* Reads the block; returns SE_OK or a status, with *got = bytes obtained. */
-static int32_t read_block(const se_engine *e, const se_block *b, uint64_t *got, int *sys_errno) {
-    int fd = e->files[b->file].fd;
+static int32_t read_block(int fd, const se_block *b, uint64_t *got, int *sys_errno) {
     char *dst = (char *)b->dst;
     uint64_t done = 0;
     while (done < b->read_length) {
@@ -89,6 +88,9 @@ static int32_t read_block(const se_engine *e, const se_block *b, uint64_t *got, 
             break; /* end of file */
         }
         done += (uint64_t)n;
+        if (done < b->read_length && b->read_offset + done >= b->acc_end) {
+            break; /* short read at end of file; an O_DIRECT retry at this unaligned offset could fail */
+        }
     }
     *got = done;
     return b->read_offset + done >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;
@@ -125,12 +127,13 @@ static void *worker_main(void *arg) {
             break; /* stopping and nothing left */
         }
         se_block block = e->queue[e->queue_head++];
+        int fd = e->files[block.file].fd; /* add_file may move the table once unlocked */
         pthread_mutex_unlock(&e->lock);
 
         uint64_t got = 0;
         int sys_errno = 0;
         double read_start = now_seconds();
-        int32_t status = read_block(e, &block, &got, &sys_errno);
+        int32_t status = read_block(fd, &block, &got, &sys_errno);
         double read_seconds = now_seconds() - read_start;
 
         pthread_mutex_lock(&e->lock);
@@ -185,7 +188,17 @@ static int init_sync(se_engine *e) {
         pthread_mutex_destroy(&e->lock);
         return 0;
     }
-    if (pthread_cond_init(&e->done_ready, NULL) != 0) {
+    pthread_condattr_t attr;
+    if (pthread_condattr_init(&attr) != 0) {
+        pthread_cond_destroy(&e->work_ready);
+        pthread_mutex_destroy(&e->lock);
+        return 0;
+    }
+    /* Timeouts on the monotonic clock: wall-clock jumps must not stretch a wait. */
+    int ok = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC) == 0 &&
+             pthread_cond_init(&e->done_ready, &attr) == 0;
+    pthread_condattr_destroy(&attr);
+    if (!ok) {
         pthread_cond_destroy(&e->work_ready);
         pthread_mutex_destroy(&e->lock);
         return 0;
@@ -279,9 +292,13 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
 
 /* Caller holds the lock. */
 static int block_is_valid(const se_engine *e, const se_block *b) {
-    return b->file >= 0 && b->file < e->n_files && b->dst != NULL && b->first_unit <= b->last_unit &&
+    int valid = b->file >= 0 && b->file < e->n_files && b->dst != NULL && b->first_unit <= b->last_unit &&
            b->last_unit < e->n_units && b->read_offset <= b->acc_begin && b->acc_begin < b->acc_end &&
            b->acc_end <= b->read_offset + b->read_length;
+    for (uint32_t u = b->first_unit; valid && u <= b->last_unit; u++) {
+        valid = e->units[u].file == b->file;
+    }
+    return valid;
 }
 
 int32_t se_engine_submit(se_engine *e, const se_block *blocks, size_t n_blocks) {
@@ -327,15 +344,18 @@ int32_t se_engine_submit(se_engine *e, const se_block *blocks, size_t n_blocks) 
 
 int32_t se_engine_wait(se_engine *e, uint32_t *unit_ids, size_t max_ids, int32_t timeout_ms,
                        size_t *n_out) {
+    *n_out = 0;
+    if (timeout_ms < 0) {
+        return SE_ERR_INVALID;
+    }
     struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
     deadline.tv_sec += timeout_ms / 1000;
     deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
     if (deadline.tv_nsec >= 1000000000L) {
         deadline.tv_sec += 1;
         deadline.tv_nsec -= 1000000000L;
     }
-    *n_out = 0;
     pthread_mutex_lock(&e->lock);
     while (e->done_head == e->done_tail && e->error.code == SE_OK && !e->cancelled) {
         if (pthread_cond_timedwait(&e->done_ready, &e->lock, &deadline) == ETIMEDOUT) {

@@ -24,6 +24,7 @@ run() {
     cmake -S "$repo/native/tests" -B "$dir" -DCMAKE_BUILD_TYPE=None \
         -DCMAKE_C_FLAGS="$flags" >/dev/null || return 1
     cmake --build "$dir" -j "$jobs" || return 1
+    rm -f "$dir"/tmp/streamer-engine-test-* # left by an earlier run that was killed
     ctest --test-dir "$dir" --output-on-failure
 }
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Creates (or reuses) a virtual environment and installs streamer into it with its test and
+# benchmark extras. Prints nothing but progress; the venv path is $STREAMER_VENV.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv="${STREAMER_VENV:-$PWD/.venv}"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[setup] creating $venv"
+  "$python" -m venv "$venv"
+fi
+# shellcheck disable=SC1091
+. "$venv/bin/activate"
+pip_quiet() { python -m pip "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+pip_quiet install -q --upgrade pip
+# torch first and pinned exactly: an unpinned resolve pulls a multi-GB CUDA build.
+pip_quiet install -q torch==2.13.0
+python -m pip install -q '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+python -c "import streamer.engine.native as n; n._lib()" || { echo "[setup] streamer failed to install" >&2; exit 1; }
+
+# fio gives the storage ceiling the benchmark reports beside our figures (optional).
+if ! command -v fio >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get install -y -qq fio >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq fio >/dev/null 2>&1; }) \
+    || echo "[setup] fio not installed; the benchmark falls back to its own read ceiling"
+fi
+echo "[setup] ready: $venv"
