@@ -28,8 +28,14 @@ class Streamer:
     tensor handed out is backed by memory no other tensor will ever reuse.
     """
 
-    def __init__(self, source: SourceLike, *, device: str | torch.device = "cpu",
-                 config: StreamerConfig | None = None, order: Order = "completion") -> None:
+    def __init__(
+        self,
+        source: SourceLike,
+        *,
+        device: str | torch.device = "cpu",
+        config: StreamerConfig | None = None,
+        order: Order = "completion",
+    ) -> None:
         if order not in ("completion", "checkpoint"):
             raise ValueError(f"order must be 'completion' or 'checkpoint', got {order!r}")
         self.device = parse_device(device)
@@ -67,8 +73,9 @@ class Streamer:
         return next(iter(run.results()))[1]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        run = LoadRun(self._checkpoint, list(self._checkpoint.refs()), self.config,
-                      ordered=self._order == "checkpoint")
+        run = LoadRun(
+            self._checkpoint, list(self._checkpoint.refs()), self.config, ordered=self._order == "checkpoint"
+        )
         self._replace_run(run)
         return run.results()
 
@@ -85,19 +92,26 @@ class Streamer:
     def __enter__(self) -> Streamer:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.close()
 
 
-def open(source: SourceLike, *, device: str | torch.device = "cpu", config: StreamerConfig | None = None,
-         order: Order = "completion") -> Streamer:
+def open(
+    source: SourceLike,
+    *,
+    device: str | torch.device = "cpu",
+    config: StreamerConfig | None = None,
+    order: Order = "completion",
+) -> Streamer:
     """Opens a checkpoint: a file, a list of files, a directory or a ``*.index.json``."""
     return Streamer(source, device=device, config=config, order=order)
 
 
-def load(source: SourceLike, device: str | torch.device = "cpu", *,
-         config: StreamerConfig | None = None) -> dict[str, torch.Tensor]:
+def load(
+    source: SourceLike, device: str | torch.device = "cpu", *, config: StreamerConfig | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, keyed in checkpoint order.
 
     The result holds everything, so ``memory_limit`` does not apply here; use ``open``
@@ -106,10 +120,15 @@ def load(source: SourceLike, device: str | torch.device = "cpu", *,
     config = dataclasses.replace(config if config is not None else StreamerConfig(), memory_limit=None)
     with Streamer(source, device=device, config=config) as handle:
         loaded = dict(iter(handle))
-        return {name: loaded[name] for name in handle.keys()}
+        names = handle.keys()
+    return {name: loaded[name] for name in names}
 
 
-def load_file(filename: str | os.PathLike[str], device: str | torch.device = "cpu", *,
-              config: StreamerConfig | None = None) -> dict[str, torch.Tensor]:
+def load_file(
+    filename: str | os.PathLike[str],
+    device: str | torch.device = "cpu",
+    *,
+    config: StreamerConfig | None = None,
+) -> dict[str, torch.Tensor]:
     """Drop-in for ``safetensors.torch.load_file``."""
     return load(filename, device, config=config)

@@ -55,17 +55,24 @@ def open_checkpoint(source: SourceLike) -> Checkpoint:
             previous = tensors.get(entry.name)
             if previous is not None:
                 raise SourceError(
-                    f"tensor also defined in {headers[previous.file].path!r}", path=header.path, tensor=entry.name
+                    f"tensor also defined in {headers[previous.file].path!r}",
+                    path=header.path,
+                    tensor=entry.name,
                 )
             tensors[entry.name] = TensorRef(index, entry)
     _check_weight_map(resolved, headers, tensors)
     return Checkpoint(headers=headers, tensors=tensors)
 
 
-def _check_weight_map(resolved: ResolvedSource, headers: tuple[FileHeader, ...], tensors: dict[str, TensorRef]) -> None:
+def _check_weight_map(
+    resolved: ResolvedSource, headers: tuple[FileHeader, ...], tensors: dict[str, TensorRef]
+) -> None:
     """Every tensor the index promises must be in the shard the index names."""
     for name, path in resolved.weight_map.items():
         ref = tensors.get(name)
         if ref is None or headers[ref.file].path != path:
-            raise SourceError(f"the index places this tensor in {path!r}, which does not hold it",
-                              path=resolved.index_path, tensor=name)
+            raise SourceError(
+                f"the index places this tensor in {path!r}, which does not hold it",
+                path=resolved.index_path,
+                tensor=name,
+            )

@@ -32,8 +32,9 @@ _CACHED_FRACTION = 0.5  # auto mode reads a file buffered when at least this muc
 class LoadRun:
     """Reads a selection of tensors once. Iterate ``results()``; ``close()`` is idempotent."""
 
-    def __init__(self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig, *,
-                 ordered: bool) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig, *, ordered: bool
+    ) -> None:
         self._checkpoint = checkpoint
         self._config = config
         self._ordered = ordered
@@ -42,9 +43,14 @@ class LoadRun:
         engine_file = {file: i for i, file in enumerate(self._files)}
         self._unit_refs = [r for r in self._refs if r.entry.nbytes > 0]
         self._units = [native.Unit(engine_file[r.file], r.entry.begin, r.entry.end) for r in self._unit_refs]
-        segment_bytes = None if config.memory_limit is None else max(config.block_size, config.memory_limit // 4)
+        segment_bytes = (
+            None if config.memory_limit is None else max(config.block_size, config.memory_limit // 4)
+        )
         self._segments = plan_segments(
-            self._units, block_size=config.block_size, segment_bytes=segment_bytes, alignment=DIRECT_IO_ALIGNMENT
+            self._units,
+            block_size=config.block_size,
+            segment_bytes=segment_bytes,
+            alignment=DIRECT_IO_ALIGNMENT,
         )
         self._segment_of_unit = [0] * len(self._units)
         for index, segment in enumerate(self._segments):
@@ -57,8 +63,9 @@ class LoadRun:
         self._next_segment = 0
         self._in_flight = 0
         self._warned_over_limit = False
-        self.metrics = LoadMetrics(files=len(self._files), tensors=len(self._refs),
-                                   bytes=sum(r.entry.nbytes for r in self._refs))
+        self.metrics = LoadMetrics(
+            files=len(self._files), tensors=len(self._refs), bytes=sum(r.entry.nbytes for r in self._refs)
+        )
 
     def results(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields ``(name, tensor)`` in completion order, or checkpoint order if ``ordered``."""
@@ -177,7 +184,9 @@ class LoadRun:
         assert self._engine is not None
         allocated = time.perf_counter()
         try:
-            buffer, base = allocate_buffer(segment.size, hugepages=self._config.hugepages, budget=self._budget)
+            buffer, base = allocate_buffer(
+                segment.size, hugepages=self._config.hugepages, budget=self._budget
+            )
         except MemoryError:
             self._budget.release(segment.size)
             raise
@@ -210,8 +219,10 @@ class LoadRun:
         path = self._checkpoint.headers[self._files[info.file]].path
         tensor = self._tensor_at(info.file, info.offset + info.got)
         if info.code == native.ERR_TRUNCATED:
-            message = (f"file ended early: {info.got} of {info.expected} bytes read "
-                       "(truncated or replaced while loading?)")
+            message = (
+                f"file ended early: {info.got} of {info.expected} bytes read "
+                "(truncated or replaced while loading?)"
+            )
         elif info.code == native.ERR_READ:
             message = f"read failed: {os.strerror(info.sys_errno)}"
         else:

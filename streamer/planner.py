@@ -45,8 +45,9 @@ def _align_up(value: int, alignment: int) -> int:
     return _align_down(value + alignment - 1, alignment)
 
 
-def plan_segments(units: Sequence[Unit], *, block_size: int, segment_bytes: int | None,
-                  alignment: int) -> list[Segment]:
+def plan_segments(
+    units: Sequence[Unit], *, block_size: int, segment_bytes: int | None, alignment: int
+) -> list[Segment]:
     """Groups units (sorted by file, then offset) into segments of at most ``segment_bytes``.
 
     A unit larger than ``segment_bytes`` gets a segment of its own.
@@ -81,14 +82,16 @@ def _plan_segment(units: Sequence[Unit], start: int, stop: int, block_size: int,
         hi = bisect.bisect_left(begins, acc_end) - 1
         if lo > hi:
             continue  # padding between tensors: nothing to read
-        blocks.append(Block(
-            file=first.file,
-            first_unit=start + lo,
-            last_unit=start + hi,
-            acc_begin=acc_begin,
-            acc_end=acc_end,
-            read_offset=read_offset,
-            read_length=read_end - read_offset,
-            dst=read_offset - buffer_begin,
-        ))
+        blocks.append(
+            Block(
+                file=first.file,
+                first_unit=start + lo,
+                last_unit=start + hi,
+                acc_begin=acc_begin,
+                acc_end=acc_end,
+                read_offset=read_offset,
+                read_length=read_end - read_offset,
+                dst=read_offset - buffer_begin,
+            )
+        )
     return Segment(first.file, start, stop - 1, buffer_begin, buffer_end, tuple(blocks))

@@ -140,7 +140,9 @@ class Engine:
         """Opens ``path``; returns its index and whether O_DIRECT took effect. Raises OSError."""
         is_direct = ffi.new("int32_t *")
         sys_errno = ffi.new("int32_t *")
-        index = self._lib.se_engine_add_file(self._handle, os.fsencode(path), int(want_direct), is_direct, sys_errno)
+        index = self._lib.se_engine_add_file(
+            self._handle, os.fsencode(path), int(want_direct), is_direct, sys_errno
+        )
         if index == ERR_OPEN:
             raise OSError(sys_errno[0], os.strerror(sys_errno[0]), path)
         if index < 0:
@@ -176,9 +178,7 @@ class Engine:
         info = ffi.new("se_error_info *")
         self._lib.se_engine_error(self._handle, info)
         code = info.code if info.code != OK else status
-        raise EngineFailure(
-            ErrorInfo(code, info.sys_errno, info.file, info.offset, info.expected, info.got)
-        )
+        raise EngineFailure(ErrorInfo(code, info.sys_errno, info.file, info.offset, info.expected, info.got))
 
     def stats(self) -> dict[str, float]:
         out = ffi.new("se_stats *")

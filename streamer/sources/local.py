@@ -7,11 +7,10 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
 
 from streamer.errors import SourceError
 
-SourceLike = Union[str, os.PathLike[str], Sequence[Union[str, os.PathLike[str]]]]
+SourceLike = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 INDEX_SUFFIX = ".index.json"
 
