@@ -28,6 +28,7 @@ PREFIX_BYTES = 8
 METADATA_KEY = "__metadata__"
 
 _MISSING = object()
+_MAX_INT_DIGITS = 100
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class FileHeader:
     file_size: int
     data_start: int
     tensors: tuple[TensorEntry, ...]
-    metadata: dict[str, str]
+    metadata: dict[str, str] = field(hash=False)  # a dict: left out so the header stays hashable
     _by_name: Mapping[str, TensorEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +168,14 @@ def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not a JSON value")
 
 
+def _parse_int(literal: str) -> int:
+    # Every real offset or dimension fits in 20 digits, and int() is quadratic in the digit count:
+    # a 100 MB run of digits must be an error, not a minutes-long stall.
+    if len(literal) > _MAX_INT_DIGITS:
+        raise ValueError(f"integer literal of {len(literal)} characters is too large")
+    return int(literal)
+
+
 def _load_json(header: bytes, *, path: str) -> _Object:
     try:
         text = bytes(header).decode("utf-8")
@@ -175,8 +184,10 @@ def _load_json(header: bytes, *, path: str) -> _Object:
     if not text.startswith("{"):  # the safetensors rule; also rules out a BOM or leading whitespace
         raise HeaderError(f"header must start with '{{', starts with {text[:16]!r}", path=path)
     try:
-        value = json.loads(text, object_pairs_hook=_Object, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:  # ValueError covers JSONDecodeError and oversized ints
+        value = json.loads(
+            text, object_pairs_hook=_Object, parse_constant=_reject_constant, parse_int=_parse_int
+        )
+    except (ValueError, RecursionError) as e:  # ValueError includes JSONDecodeError
         raise HeaderError(f"header is not valid JSON: {e}", path=path) from None
     if not isinstance(value, _Object):  # unreachable after the '{' check, kept for the type checker
         raise HeaderError(f"header must be a JSON object, got {_show(value)}", path=path)
