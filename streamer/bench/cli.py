@@ -1,0 +1,461 @@
+"""``streamer-bench``: time loaders from a cold (and/or warm) page cache, side by side.
+
+The phases, in order: get a checkpoint (``--source`` or ``--synthetic``), probe which loaders
+are installed (in a child, like the runs), convert for tensorizer once, then per cache state:
+read ceilings, then ``--repeat`` interleaved rounds over every loader setting, each run in a
+fresh process. Memory ceilings last; then the table, ``--json`` and ``--plot``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from streamer.bench import cache, ceilings, report, runner, synthetic
+from streamer.bench.checkpoint import Checkpoint, SourceProblem, is_remote, resolve
+from streamer.bench.loaders import (
+    ALL_LOADERS,
+    LOADERS,
+    RUNAI_STRATEGIES,
+    SAFETENSORS_BACKENDS,
+    Setting,
+    settings_for,
+)
+from streamer.bench.machine import facts
+from streamer.bench.units import format_bytes, parse_size
+
+DEFAULT_SYNTHETIC = "1GiB"
+DISTRIBUTIONS = {
+    "streamer": ["streamer"],
+    "safetensors": ["safetensors"],
+    "runai": ["runai-model-streamer"],
+    "fastsafetensors": ["fastsafetensors"],
+    "instanttensor": ["instanttensor"],
+    "tensorizer": ["tensorizer"],
+}
+SWEEPABLE = ("concurrency",)
+
+
+# --- argument parsing: every bad value is a usage error (exit status 2) ---
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _choices(allowed: Sequence[str], what: str) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in items if t not in allowed]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(unknown) or repr(text)}; choose from {', '.join(allowed)}"
+            )
+        return list(dict.fromkeys(items))
+
+    return parse
+
+
+def _strategies(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if not re.fullmatch(r"[a-z_]+", t)]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(f"bad strategy list {text!r} (example: default,sync_buffered)")
+    return list(dict.fromkeys(items))
+
+
+def _sweep(text: str) -> tuple[str, list[int]]:
+    key, sep, values = text.partition("=")
+    if not sep or key.strip() not in SWEEPABLE:
+        raise argparse.ArgumentTypeError(f"expected {'|'.join(SWEEPABLE)}=N,N,…, got {text!r}")
+    try:
+        numbers = [int(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sweep values must be integers, got {values!r}") from None
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"sweep values must be positive integers, got {values!r}")
+    return key.strip(), list(dict.fromkeys(numbers))
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda:N, got {text!r}")
+    return "cuda:0" if text == "cuda" else text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="streamer-bench",
+        description="Cold-start load times of safetensors loaders, each run in a fresh process, "
+        "with verified page-cache eviction, interleaved repetitions and hardware ceilings.",
+        epilog="example: streamer-bench --synthetic 4GiB --cold --warm --sweep concurrency=1,4,16",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--source",
+        metavar="PATH",
+        help="a .safetensors file, a directory of them, or a "
+        "model.safetensors.index.json (s3:// is not supported yet)",
+    )
+    src.add_argument(
+        "--synthetic",
+        metavar="SIZE",
+        type=_size,
+        help=f"generate a Llama-like bf16 checkpoint of SIZE (e.g. 4GiB; default {DEFAULT_SYNTHETIC})",
+    )
+    p.add_argument("--shards", type=_positive, help="files of the synthetic checkpoint (default 2)")
+    p.add_argument(
+        "--keep",
+        metavar="DIR",
+        type=Path,
+        help="generate into (or reuse from) DIR/synthetic-SIZE-SHARDS and keep it; tensorizer's converted "
+        "file is kept there too",
+    )
+    p.add_argument(
+        "--loaders",
+        type=_choices(ALL_LOADERS, "loader"),
+        default=list(ALL_LOADERS),
+        help=f"comma-separated, default all: {','.join(ALL_LOADERS)}",
+    )
+    p.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda:N")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the files before every run and verify 0 bytes resident (neither flag: both)",
+    )
+    p.add_argument(
+        "--warm", action="store_true", help="have the files fully cached before every run (verified)"
+    )
+    p.add_argument("--repeat", type=_positive, default=3, help="runs per setting, interleaved (default 3)")
+    p.add_argument(
+        "--sweep",
+        type=_sweep,
+        metavar="concurrency=N,N,…",
+        help="extra settings for loaders with a concurrency knob, besides their default: streamer "
+        "StreamerConfig.concurrency, runai RUNAI_STREAMER_CONCURRENCY, fastsafetensors max_threads, "
+        "tensorizer num_readers",
+    )
+    p.add_argument(
+        "--runai-strategies",
+        type=_strategies,
+        default=list(RUNAI_STRATEGIES),
+        help="RUNAI_STREAMER_FS_STRATEGY values ('default' = unset: io_uring + O_DIRECT); "
+        "default: default,sync_buffered",
+    )
+    p.add_argument(
+        "--safetensors-backends",
+        type=_choices(SAFETENSORS_BACKENDS, "backend"),
+        default=list(SAFETENSORS_BACKENDS),
+        help="load_file backends: mmap (views, cloned) and pread (owned); default both",
+    )
+    p.add_argument(
+        "--streamer-api",
+        choices=("open", "load"),
+        default="open",
+        help="open (default): iterate streamer.open() into a dict, as load() does, and record its "
+        "metrics; load: time streamer.load() itself (no metrics)",
+    )
+    p.add_argument("--json", metavar="FILE", type=Path, help="write every run and fact (schema.json) to FILE")
+    p.add_argument(
+        "--plot", metavar="FILE.png", type=Path, help="bar chart with whiskers and ceilings (matplotlib)"
+    )
+    p.add_argument("--no-ceilings", dest="ceilings", action="store_false", help="skip the reference ceilings")
+    p.add_argument(
+        "--no-fio",
+        dest="fio",
+        action="store_false",
+        help="measure read ceilings in Python even if fio exists",
+    )
+    p.add_argument(
+        "--timeout", type=_positive, default=1800, metavar="S", help="seconds one run may take (default 1800)"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.source is not None and is_remote(args.source):
+        parser.error(f"--source {args.source}: remote (s3://) sources are not supported yet")
+    if args.source is not None and args.shards is not None:
+        parser.error("--shards only applies to --synthetic")
+    args.shards = args.shards or 2
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install matplotlib")
+    if not args.cold and not args.warm:
+        args.cold = args.warm = True
+    if args.source is None and args.synthetic is None:
+        args.synthetic = parse_size(DEFAULT_SYNTHETIC)
+    args.parser = parser
+    return args
+
+
+# --- phases ---
+
+
+class Progress:
+    """Progress lines on stderr; a live percentage when stderr is a terminal."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.start = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._last = -1
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(f"[{time.monotonic() - self.start:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+    def bar(self, what: str, done: int, total: int) -> None:
+        percent = done * 100 // max(total, 1)
+        if self.quiet or percent == self._last or (not self.tty and percent % 25 and done < total):
+            return
+        self._last = percent
+        filled = percent // 4
+        end = "\n" if done >= total or not self.tty else ""
+        print(
+            f"\r{what} [{'#' * filled}{'.' * (25 - filled)}] {percent:3d}%",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def obtain_checkpoint(
+    args: argparse.Namespace, workdir: Path, progress: Progress
+) -> tuple[Checkpoint, dict[str, Any] | None]:
+    if args.source is not None:
+        return resolve(args.source), None
+    target = (args.keep or workdir) / f"synthetic-{args.synthetic}-{args.shards}"
+    what = f"generating {format_bytes(args.synthetic)} checkpoint in {target}"
+    made = synthetic.generate(
+        target, args.synthetic, args.shards, progress=lambda d, t: progress.bar(what, d, t)
+    )
+    if made.reused:
+        progress(f"reusing the checkpoint in {target}")
+    info = {
+        "requested_bytes": args.synthetic,
+        "shards": len(made.files),
+        "reused": made.reused,
+        "shape": made.shape.__dict__,
+        "generator_version": synthetic.GENERATOR_VERSION,
+    }
+    return resolve(str(made.index)), info
+
+
+def probe(loaders: Sequence[str]) -> dict[str, Any]:
+    result = runner.call_child(
+        {
+            "action": "probe",
+            "modules": {name: LOADERS[name].module for name in ALL_LOADERS},
+            "distributions": DISTRIBUTIONS,
+        },
+        timeout=600,
+    )
+    if not result["ok"]:
+        raise RuntimeError(f"probing the loaders failed: {result['error']}")
+    return result
+
+
+def tensorizer_file(checkpoint: Checkpoint, workdir: Path, progress: Progress) -> Path:
+    """Converts the checkpoint once (untimed); reused from --keep when newer than the shards."""
+    out = workdir / "tensorizer" / "model.tensors"
+    newest = max(f.stat().st_mtime for f in checkpoint.files)
+    if out.is_file() and out.stat().st_mtime >= newest:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    progress("converting the checkpoint for tensorizer (once, not timed)")
+    result = runner.call_child(
+        {"action": "convert_tensorizer", "files": [str(f) for f in checkpoint.files], "out": str(out)}
+    )
+    if not result["ok"]:
+        raise RuntimeError(f"tensorizer conversion failed: {result['error']}")
+    return out
+
+
+def plan(
+    args: argparse.Namespace,
+    checkpoint: Checkpoint,
+    probed: dict[str, Any],
+    workdir: Path,
+    progress: Progress,
+) -> tuple[list[tuple[Setting, list[Path]]], list[dict[str, str | None]]]:
+    """Which settings run and on which files; which loaders are skipped and why."""
+    concurrency = args.sweep[1] if args.sweep else []
+    runs: list[tuple[Setting, list[Path]]] = []
+    skipped: list[dict[str, str | None]] = []
+    for name in args.loaders:
+        info, state = LOADERS[name], probed["loaders"][name]
+        if info.cuda_only and not args.device.startswith("cuda"):
+            reason = f"CUDA only, not run for device {args.device}"
+            skipped.append({"loader": name, "reason": reason, "install": None})
+            continue
+        if not state["available"]:
+            skipped.append({"loader": name, "reason": state["reason"], "install": info.pip})
+            continue
+        backends = list(args.safetensors_backends)
+        if name == "safetensors" and not state["features"].get("pread_backend"):
+            backends = [b for b in backends if b != "pread"] or ["mmap"]
+        files = checkpoint.files
+        if name == "tensorizer":
+            try:
+                files = [tensorizer_file(checkpoint, args.keep or workdir, progress)]
+            except RuntimeError as exc:
+                skipped.append({"loader": name, "reason": str(exc)[:500], "install": None})
+                continue
+        for setting in settings_for(name, concurrency, args.runai_strategies, backends):
+            runs.append((setting, files))
+    return runs, skipped
+
+
+def run_sections(
+    args: argparse.Namespace,
+    checkpoint: Checkpoint,
+    planned: list[tuple[Setting, list[Path]]],
+    progress: Progress,
+) -> list[dict[str, Any]]:
+    sections = []
+    for state in [s for s, wanted in (("cold", args.cold), ("warm", args.warm)) if wanted]:
+        found: list[ceilings.Ceiling] = []
+        if args.ceilings:
+
+            def prepare(state: str = state) -> None:
+                if state == "cold" and cache.make_cold(checkpoint.files):
+                    raise cache.CacheStateError("eviction left pages resident")
+                if state == "warm" and cache.make_warm(checkpoint.files):
+                    raise cache.CacheStateError("files could not be fully cached")
+
+            modes = ("buffered", "direct") if state == "cold" else ("buffered",)
+            found = ceilings.storage_ceilings(
+                checkpoint.files, state, prepare, modes=modes, use_fio=args.fio, progress=progress
+            )
+        configs = [runner.Config(setting, files, checkpoint.source) for setting, files in planned]
+        runner.run_section(
+            configs,
+            state,
+            args.repeat,
+            device=args.device,
+            streamer_api=args.streamer_api,
+            timeout=args.timeout,
+            progress=progress,
+        )
+        sections.append(report.section(state, configs, found))
+    return sections
+
+
+def memory_ceilings(
+    args: argparse.Namespace, checkpoint: Checkpoint, probed: dict[str, Any], progress: Progress
+) -> list[ceilings.Ceiling]:
+    if not args.ceilings:
+        return []
+    size = min(max(checkpoint.tensor_bytes, 64 << 20), 1 << 30)
+    progress(f"memory ceilings ({format_bytes(size)} buffers)")
+    out = [
+        ceilings.memcpy_ceiling(size),
+        ceilings.first_touch_ceiling(size, False),
+        ceilings.first_touch_ceiling(size, True),
+    ]
+    if args.device.startswith("cuda") and probed["cuda"]["available"]:
+        out.append(ceilings.h2d_ceiling(size, args.device))
+    return out
+
+
+def document(
+    args: argparse.Namespace,
+    argv: Sequence[str] | None,
+    checkpoint: Checkpoint,
+    synthetic_info: dict[str, Any] | None,
+    probed: dict[str, Any],
+    skipped: list[dict[str, str | None]],
+    sections: list[dict[str, Any]],
+    memory: list[ceilings.Ceiling],
+) -> dict[str, Any]:
+    """The JSON document (``schema.json``)."""
+    return {
+        "schema": report.SCHEMA_ID,
+        "command": ["streamer-bench", *(sys.argv[1:] if argv is None else argv)],
+        "machine": facts(checkpoint.files[0], probed),
+        "checkpoint": {
+            "source": checkpoint.source,
+            "synthetic": synthetic_info,
+            "kept": bool(args.keep) or synthetic_info is None,
+            "files": [{"path": str(f), "bytes": f.stat().st_size} for f in checkpoint.files],
+            "tensor_bytes": checkpoint.tensor_bytes,
+            "tensor_count": checkpoint.tensor_count,
+        },
+        "options": {
+            "loaders": args.loaders,
+            "device": args.device,
+            "repeat": args.repeat,
+            "cold": args.cold,
+            "warm": args.warm,
+            "sweep": dict([args.sweep]) if args.sweep else {},
+            "runai_strategies": args.runai_strategies,
+            "safetensors_backends": args.safetensors_backends,
+            "streamer_api": args.streamer_api,
+            "read_ceiling_tool": "fio" if args.fio and shutil.which("fio") else "python",
+        },
+        "skipped": skipped,
+        "sections": sections,
+        "memory_ceilings": [asdict(c) for c in memory],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    progress = Progress(args.quiet)
+    with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:
+        workdir = Path(tmp)
+        probed = probe(args.loaders)
+        if args.device.startswith("cuda") and not probed["cuda"]["available"]:
+            args.parser.error(f"--device {args.device}: torch reports no CUDA device here")
+        try:
+            checkpoint, synthetic_info = obtain_checkpoint(args, workdir, progress)
+        except SourceProblem as exc:
+            args.parser.error(str(exc))
+        try:
+            cache.resident_bytes(checkpoint.files)
+        except cache.CacheStateError as exc:
+            print(f"streamer-bench: error: {exc}", file=sys.stderr)
+            return 1
+        planned, skipped = plan(args, checkpoint, probed, workdir, progress)
+        for s in skipped:
+            progress(f"skipping {s['loader']}: {s['reason']}")
+        sections = run_sections(args, checkpoint, planned, progress)
+        memory = memory_ceilings(args, checkpoint, probed, progress)
+        doc = document(args, argv, checkpoint, synthetic_info, probed, skipped, sections, memory)
+    print(report.render(doc))
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        progress(f"wrote {args.json}")
+    if args.plot is not None:
+        from streamer.bench.plot import plot
+
+        plot(doc, args.plot)
+        progress(f"wrote {args.plot}")
+    measured = any(r["status"] == "ok" for sec in sections for r in sec["results"])
+    return 0 if measured or not planned else 1

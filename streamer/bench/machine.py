@@ -1,0 +1,96 @@
+"""Facts about the machine and the software, recorded with every result."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def filesystem(path: Path) -> dict[str, str | None]:
+    """The mount holding ``path``: its type, device and mount point (longest /proc/mounts match)."""
+    target = str(path.resolve())
+    best: tuple[str, str, str] | None = None
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            device, mount, fstype = line.split()[:3]
+            mount = mount.replace("\\040", " ")
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and (best is None or len(mount) >= len(best[1])):
+                best = (device, mount, fstype)
+    except OSError:
+        pass
+    if best is None:
+        return {"type": None, "device": None, "mount": None}
+    return {"type": best[2], "device": best[0], "mount": best[1]}
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _fio_version() -> str | None:
+    if shutil.which("fio") is None:
+        return None
+    try:
+        return subprocess.run(["fio", "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def facts(source_path: Path, probe: dict[str, Any]) -> dict[str, Any]:
+    """Everything the JSON ``machine`` object holds (see ``schema.json``)."""
+    versions: dict[str, str | None] = {
+        name: entry.get("version") for name, entry in probe.get("loaders", {}).items()
+    }
+    versions.update(
+        {
+            "python": platform.python_version(),
+            "torch": probe.get("torch"),
+            "numpy": _version("numpy"),
+            "fio": _fio_version(),
+        }
+    )
+    cuda = probe.get("cuda", {})
+    return {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "ram_bytes": _ram_bytes(),
+        "kernel": platform.release(),
+        "os": platform.platform(),
+        "filesystem": filesystem(source_path),
+        "gpu": {
+            "available": bool(cuda.get("available")),
+            "devices": cuda.get("devices", []),
+            "cuda": cuda.get("version"),
+        },
+        "python_executable": sys.executable,
+        "versions": versions,
+    }

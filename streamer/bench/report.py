@@ -1,0 +1,189 @@
+"""Statistics over runs, the table people read, and the JSON document ``schema.json`` describes.
+
+"vs streamer" is a row's GB/s divided by streamer's at its default setting (streamer's best
+when the default did not run): above 1 the row is faster than streamer, below 1 slower.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from streamer.bench.ceilings import Ceiling
+from streamer.bench.runner import Config, Run
+from streamer.bench.units import format_bytes, gbps
+
+SCHEMA_ID = "streamer-bench/1"
+SCHEMA_PATH = Path(__file__).with_name("schema.json")  # JSON Schema of the --json document
+
+
+def summarize(config: Config) -> dict[str, Any]:
+    """One result object: the runs and their median, min, max, GB/s and peak RSS."""
+    valid = [r for r in config.runs if r.valid and r.seconds is not None]
+    seconds = [r.seconds for r in valid if r.seconds is not None]
+    nbytes = max((r.bytes or 0 for r in valid), default=None)
+    median = statistics.median(seconds) if seconds else None
+    if valid:
+        status = "ok"
+    elif any(r.error and r.error.startswith("not ") for r in config.runs):
+        status = "refused"  # the cache state could not be reached or verified
+    else:
+        status = "failed"
+    rss = [r.peak_rss_bytes for r in valid if r.peak_rss_bytes is not None]
+    return {
+        "loader": config.setting.loader,
+        "setting": config.setting.label,
+        "knobs": dict(config.setting.knobs),
+        "environment": config.setting.environment(),
+        "status": status,
+        "valid_runs": len(valid),
+        "bytes": nbytes,
+        "median_s": median,
+        "min_s": min(seconds) if seconds else None,
+        "max_s": max(seconds) if seconds else None,
+        "gbps": gbps(nbytes, median) if median and nbytes else None,
+        "ratio_vs_streamer": None,
+        "peak_rss_bytes": int(statistics.median(rss)) if rss else None,
+        "runs": [_run_json(r) for r in config.runs],
+    }
+
+
+def _run_json(run: Run) -> dict[str, Any]:
+    return asdict(run)
+
+
+def _reference(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    ours = [r for r in results if r["loader"] == "streamer" and r["gbps"]]
+    default = [r for r in ours if r["setting"] == "default"]
+    return (default or sorted(ours, key=lambda r: r["median_s"]))[0] if ours else None
+
+
+def best_per_loader(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each loader at its setting with the lowest median."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if r["median_s"] is None:
+            continue
+        current = best.get(r["loader"])
+        if current is None or r["median_s"] < current["median_s"]:
+            best[r["loader"]] = r
+    return [
+        {
+            k: r[k]
+            for k in (
+                "loader",
+                "setting",
+                "bytes",
+                "median_s",
+                "min_s",
+                "max_s",
+                "gbps",
+                "ratio_vs_streamer",
+                "peak_rss_bytes",
+            )
+        }
+        for r in best.values()
+    ]
+
+
+def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) -> dict[str, Any]:
+    """A cache-state section: every setting's result, each loader's best, the read ceilings."""
+    results = [summarize(c) for c in configs]
+    reference = _reference(results)
+    if reference is not None:
+        for r in results:
+            if r["gbps"]:
+                r["ratio_vs_streamer"] = r["gbps"] / reference["gbps"]
+    return {
+        "cache": state,
+        "reference": {"loader": "streamer", "setting": reference["setting"]} if reference else None,
+        "results": results,
+        "best": best_per_loader(results),
+        "ceilings": [asdict(c) for c in ceilings],
+    }
+
+
+# --- the table ---
+
+_HEADER = ("loader", "setting", "median s", "min-max s", "GB/s", "vs streamer", "peak RSS")
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _row(r: dict[str, Any]) -> tuple[str, ...]:
+    if r.get("status", "ok") != "ok":
+        first_error = next((run["error"] for run in r.get("runs", []) if run["error"]), "")
+        return (r["loader"], r["setting"], r["status"].upper(), str(first_error)[:60], "", "", "")
+    span = f"{r['min_s']:.3f}-{r['max_s']:.3f}"
+    ratio = _fmt(r["ratio_vs_streamer"], ".2f") + ("x" if r["ratio_vs_streamer"] is not None else "")
+    rss = format_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] is not None else "—"
+    return (r["loader"], r["setting"], f"{r['median_s']:.3f}", span, _fmt(r["gbps"], ".2f"), ratio, rss)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in (_HEADER, *rows)) for i in range(len(_HEADER))]
+    numeric = {2, 3, 4, 5, 6}
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [
+            c.rjust(w) if i in numeric else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(_HEADER), line(tuple("-" * w for w in widths)), *(line(r) for r in rows)]
+
+
+def _ceiling_line(c: dict[str, Any]) -> str:
+    value = f"{c['gbps']:.2f} GB/s" if c["gbps"] is not None else f"unavailable ({c['error']})"
+    cache = f" ({c['cache']})" if c["cache"] else ""
+    return f"  {c['name']}{cache}: {value} — {c['method']}, {c['detail']}".rstrip(", ")
+
+
+def render(document: dict[str, Any]) -> str:
+    """The human-readable report."""
+    ck = document["checkpoint"]
+    opts = document["options"]
+    out = [
+        f"streamer-bench: {len(ck['files'])} file(s), {format_bytes(ck['tensor_bytes'])} of tensors "
+        f"({ck['tensor_count']} tensors), device {opts['device']}, {opts['repeat']} run(s) per setting, "
+        f"interleaved; each run in a fresh process",
+        f"source: {ck['source']} ({document['machine']['filesystem']['type']})",
+    ]
+    for sec in document["sections"]:
+        how = (
+            "page cache evicted and verified empty (mincore) before every run"
+            if sec["cache"] == "cold"
+            else "files fully resident in the page cache (verified) before every run"
+        )
+        out += ["", f"== {sec['cache']} cache: {how}", *_table([_row(r) for r in sec["results"]])]
+        if sec["best"]:
+            out += [
+                "",
+                f"-- {sec['cache']}: each loader at its best setting (lowest median)",
+                *_table([_row(r) for r in sec["best"]]),
+            ]
+        if sec["ceilings"]:
+            out += [
+                "",
+                f"-- {sec['cache']}: storage ceilings (sequential read of the same files, best of 1..8 jobs)",
+            ]
+            out += [_ceiling_line(c) for c in sec["ceilings"]]
+    if document["memory_ceilings"]:
+        out += ["", "-- memory ceilings"] + [_ceiling_line(c) for c in document["memory_ceilings"]]
+    for s in document["skipped"]:
+        out.append(
+            f"skipped {s['loader']}: {s['reason']}" + (f" (install: {s['install']})" if s["install"] else "")
+        )
+    ref = next((s["reference"] for s in document["sections"] if s["reference"]), None)
+    if ref:
+        out += [
+            "",
+            f"vs streamer = row GB/s ÷ streamer {ref['setting']} GB/s (above 1: faster than streamer).",
+        ]
+    return "\n".join(out)

@@ -1,0 +1,168 @@
+"""Interleaved timed runs (A B C A B C …), each in a fresh child, each after the cache state
+it claims was reached and verified."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamer.bench import cache
+from streamer.bench.child import RESULT_MARK
+from streamer.bench.loaders import CONTROLLED_ENV, Setting
+from streamer.bench.units import format_bytes, gbps
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds ``streamer/``
+
+
+class ChildFailed(Exception):
+    """The child exited without a result line (crash, kill, timeout)."""
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """The parent's environment minus the knobs a setting controls, plus that setting's own."""
+    env = {k: v for k, v in os.environ.items() if k not in CONTROLLED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    return env | extra
+
+
+def call_child(
+    request: dict[str, Any], env: dict[str, str] | None = None, timeout: float = 1800
+) -> dict[str, Any]:
+    """Runs ``streamer.bench.child`` with ``request``; returns its result object."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "streamer.bench.child", json.dumps(request)],
+            capture_output=True,
+            text=True,
+            env=env or child_env({}),
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise ChildFailed(f"no result after {timeout:.0f} s (killed)") from None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            result: dict[str, Any] = json.loads(line[len(RESULT_MARK) :])
+            return result
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    raise ChildFailed(f"exit status {proc.returncode}: " + " | ".join(tail))
+
+
+@dataclass
+class Run:
+    """One timed load (or the reason there is none)."""
+
+    repeat: int
+    valid: bool
+    seconds: float | None = None
+    bytes: int | None = None
+    tensors: int | None = None
+    peak_rss_bytes: int | None = None
+    resident_before_bytes: int | None = None  # verified by the parent right before the child started
+    resident_at_start_bytes: int | None = None  # re-established and re-read by the child before its clock
+    metrics: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Config:
+    """One loader setting and the files it reads (tensorizer reads its converted copy)."""
+
+    setting: Setting
+    files: list[Path]
+    source: str
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def _prepare(config: Config, state: str) -> tuple[int, str | None]:
+    """Reaches ``state`` for the config's files: (resident bytes, reason it failed or None)."""
+    if state == "cold":
+        resident = cache.make_cold(config.files)
+        return resident, (f"not cold: {resident} bytes still resident after eviction" if resident else None)
+    missing = cache.make_warm(config.files)
+    resident = config.file_bytes - missing
+    return resident, (f"not warm: {missing} bytes not resident after reading the files" if missing else None)
+
+
+def _check_start(run: Run, state: str, file_bytes: int) -> None:
+    """A run whose child saw the wrong cache state at its clock's start does not count."""
+    seen = run.resident_at_start_bytes
+    if seen is None:
+        return
+    if state == "cold" and seen != 0:
+        run.valid, run.error = False, f"not cold at the start of the clock: {seen} bytes resident"
+    if state == "warm" and seen < file_bytes:
+        run.valid, run.error = False, f"not warm at the start of the clock: {file_bytes - seen} bytes missing"
+
+
+def run_section(
+    configs: Sequence[Config],
+    state: str,
+    repeat: int,
+    *,
+    device: str,
+    streamer_api: str,
+    timeout: float,
+    progress: Callable[[str], None],
+) -> None:
+    """``repeat`` rounds over every config, in the same order each round, in cache ``state``."""
+    total = repeat * len(configs)
+    n = 0
+    for r in range(repeat):
+        for config in configs:
+            n += 1
+            label = f"{config.setting.loader} {config.setting.label}"
+            resident, problem = _prepare(config, state)
+            if problem is not None:
+                config.runs.append(Run(r, False, resident_before_bytes=resident, error=problem))
+                progress(f"[{state} {n}/{total}] {label}: refused, {problem}")
+                continue
+            request = {
+                "action": "load",
+                "loader": config.setting.loader,
+                "knobs": dict(config.setting.knobs),
+                "files": [str(f) for f in config.files],
+                "source": config.source,
+                "device": device,
+                "streamer_api": streamer_api,
+                "cache": state,
+            }
+            try:
+                result = call_child(request, child_env(config.setting.environment()), timeout)
+            except ChildFailed as exc:
+                result = {"ok": False, "error": str(exc)}
+            if not result["ok"]:
+                run = Run(r, False, resident_before_bytes=resident, error=result["error"])
+            else:
+                run = Run(
+                    r,
+                    True,
+                    result["seconds"],
+                    result["bytes"],
+                    result["tensors"],
+                    result["peak_rss_bytes"],
+                    resident,
+                    result["resident_at_start_bytes"],
+                    result["metrics"],
+                    result["notes"],
+                )
+                _check_start(run, state, config.file_bytes)
+            config.runs.append(run)
+            if run.valid and run.seconds is not None and run.bytes is not None:
+                rate = gbps(run.bytes, run.seconds)
+                progress(
+                    f"[{state} {n}/{total}] {label}: {run.seconds:.3f} s, {rate:.2f} GB/s, "
+                    f"{format_bytes(run.bytes)}"
+                )
+            else:
+                progress(f"[{state} {n}/{total}] {label}: FAILED {run.error}")

@@ -1,0 +1,258 @@
+"""streamer-bench end to end: one small generated checkpoint, one real CLI run, checked every way.
+
+The expensive part (a run of the CLI: every timed load is a fresh Python process importing
+torch) happens once, in a module fixture; the tests read its stdout, JSON and PNG. Argument
+errors and the refusal logic are checked in-process, where they are cheap.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamer.bench import cache, ceilings, cli, report, runner, synthetic
+from streamer.bench.checkpoint import resolve
+from streamer.bench.loaders import Setting
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# Taken before any fixture runs. STREAMER_* knobs must not leak into the runs, except the
+# pointer at a developer's build of the native engine.
+_ENV = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_") or k == "STREAMER_NATIVE_LIB"}
+
+
+def bench(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -m streamer.bench ARGS`` from this checkout."""
+    full_env = _ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), _ENV.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, "-m", "streamer.bench", *args],
+        capture_output=True,
+        text=True,
+        env=full_env | (env or {}),
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench")
+    proc = bench(
+        "--synthetic",
+        "4MiB",
+        "--shards",
+        "2",
+        "--keep",
+        str(out / "keep"),
+        "--loaders",
+        "streamer,safetensors,runai,fastsafetensors,instanttensor",
+        "--cold",
+        "--warm",
+        "--repeat",
+        "1",
+        "--runai-strategies",
+        "default",
+        "--safetensors-backends",
+        "mmap",
+        "--json",
+        str(out / "result.json"),
+        "--plot",
+        str(out / "result.png"),
+        env={"STREAMER_BENCH_HIDE": "fastsafetensors"},  # a peer that is "not installed", for sure
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
+
+
+def test_table_is_printed(run: dict[str, Any]) -> None:
+    stdout = run["proc"].stdout
+    assert "== cold cache" in stdout and "== warm cache" in stdout
+    for column in ("loader", "setting", "median s", "min-max s", "GB/s", "vs streamer", "peak RSS"):
+        assert column in stdout
+    for loader in ("streamer", "safetensors", "runai"):
+        assert any(line.startswith(loader) for line in stdout.splitlines())
+    assert "storage ceilings" in stdout and "memcpy" in stdout and "first_touch" in stdout
+    assert "[cold 1/3]" in run["proc"].stderr  # progress goes to stderr
+
+
+def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads(report.SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(run["json"], schema, cls=jsonschema.Draft202012Validator)
+    doc = run["json"]
+    machine = doc["machine"]
+    assert machine["cpu_count"] >= 1 and machine["ram_bytes"] > 0 and machine["kernel"]
+    assert machine["filesystem"]["type"] and machine["versions"]["torch"] and machine["versions"]["streamer"]
+    assert doc["checkpoint"]["tensor_bytes"] > 3 * MiB and len(doc["checkpoint"]["files"]) == 2
+    for section in doc["sections"]:
+        assert section["reference"] == {"loader": "streamer", "setting": "default"}
+        by_loader = {r["loader"]: r for r in section["results"]}
+        assert set(by_loader) == {"streamer", "safetensors", "runai"}
+        for result in section["results"]:
+            assert result["status"] == "ok", result
+            assert result["bytes"] == doc["checkpoint"]["tensor_bytes"]
+            assert result["peak_rss_bytes"] > 0 and result["gbps"] > 0
+        assert by_loader["streamer"]["ratio_vs_streamer"] == pytest.approx(1.0)
+        assert by_loader["streamer"]["runs"][0]["metrics"]["bytes"] == doc["checkpoint"]["tensor_bytes"]
+        assert {c["name"] for c in section["ceilings"]} >= {"read_buffered"}
+    assert {c["name"] for c in doc["memory_ceilings"]} >= {"memcpy", "first_touch", "first_touch_hugepage"}
+
+
+def test_plot_is_a_png(run: dict[str, Any]) -> None:
+    path = run["out"] / "result.png"
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert path.stat().st_size > 10_000
+
+
+def test_missing_peer_is_skipped(run: dict[str, Any]) -> None:
+    skipped = {s["loader"]: s for s in run["json"]["skipped"]}
+    assert "not installed" in skipped["fastsafetensors"]["reason"]
+    assert skipped["fastsafetensors"]["install"] == "pip install fastsafetensors"
+    # instanttensor is CUDA only: skipped on the CPU whether it is installed or not.
+    assert "CUDA only" in skipped["instanttensor"]["reason"]
+    assert "skipped fastsafetensors: not installed" in run["proc"].stdout
+    assert "pip install fastsafetensors" in run["proc"].stdout
+
+
+def test_cold_runs_started_from_an_empty_page_cache(run: dict[str, Any]) -> None:
+    doc = run["json"]
+    file_bytes = sum(f["bytes"] for f in doc["checkpoint"]["files"])
+    cold, warm = doc["sections"]
+    assert cold["cache"] == "cold" and warm["cache"] == "warm"
+    for result in cold["results"]:
+        for r in result["runs"]:
+            assert r["valid"] and r["resident_before_bytes"] == 0 and r["resident_at_start_bytes"] == 0
+    for result in warm["results"]:
+        for r in result["runs"]:
+            assert r["valid"] and r["resident_before_bytes"] == file_bytes == r["resident_at_start_bytes"]
+
+
+def test_eviction_is_real(run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cross-checks make_cold with util-linux fincore (independent of streamer's mincore)."""
+    if "STREAMER_NATIVE_LIB" in _ENV:  # a developer build of the engine (conftest strips STREAMER_*)
+        monkeypatch.setenv("STREAMER_NATIVE_LIB", _ENV["STREAMER_NATIVE_LIB"])
+    files = [Path(f["path"]) for f in run["json"]["checkpoint"]["files"]]
+    assert cache.make_warm(files) == 0
+    assert cache.resident_bytes(files) > 0  # (a VM balloon may take a page back at any time)
+    assert cache.make_cold(files) == 0
+    if shutil.which("fincore"):
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        assert [int(x) for x in out] == [0] * len(files)
+
+
+def test_a_cold_figure_is_refused_when_eviction_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    monkeypatch.setattr(cache, "make_cold", lambda files: 4096)
+    monkeypatch.setattr(runner, "call_child", lambda *a, **k: pytest.fail("a child ran"))
+    config = runner.Config(Setting("streamer"), made.files, str(made.index))
+    runner.run_section(
+        [config], "cold", 2, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None
+    )
+    summary = report.summarize(config)
+    assert summary["status"] == "refused" and summary["median_s"] is None and summary["gbps"] is None
+    assert all(not r.valid and r.error and "not cold" in r.error for r in config.runs)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--repeat", "0"],
+        ["--repeat", "many"],
+        ["--synthetic", "lots"],
+        ["--loaders", "streamer,nosuchloader"],
+        ["--device", "tpu"],
+        ["--sweep", "threads=1,2"],
+        ["--sweep", "concurrency=0"],
+        ["--source", "a.safetensors", "--synthetic", "1GiB"],
+        ["--source", "s3://bucket/model"],
+        ["--source", "model.safetensors", "--shards", "3"],
+        ["--safetensors-backends", "zip"],
+        ["--no-such-flag"],
+    ],
+)
+def test_bad_arguments_are_usage_errors(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(args)
+    assert exc.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2_from_the_command_line() -> None:
+    proc = bench("--repeat", "0", timeout=120)
+    assert proc.returncode == 2 and "usage: streamer-bench" in proc.stderr
+    proc = bench("--source", "s3://bucket/model", timeout=120)
+    assert proc.returncode == 2 and "not supported yet" in proc.stderr
+
+
+def test_synthetic_checkpoint_is_llama_like_and_reused(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    made = synthetic.generate(tmp_path, 3 * MiB, 3)
+    assert [f.name for f in made.files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert 0.98 * 3 * MiB <= made.tensor_bytes <= 3 * MiB
+    index = json.loads(made.index.read_text())
+    tensors: dict[str, Any] = {}
+    for f in made.files:
+        tensors.update(safetensors.torch.load_file(f))
+    assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == made.tensor_bytes
+    h = made.shape.hidden
+    assert tensors["model.embed_tokens.weight"].shape == (made.shape.vocab, h)
+    assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (h, made.shape.intermediate)
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (made.shape.kv_dim, h)
+    assert (
+        tensors["lm_head.weight"].dtype.is_floating_point
+        and str(tensors["lm_head.weight"].dtype) == "torch.bfloat16"
+    )
+    assert bool(tensors["model.norm.weight"].eq(1).all())
+    assert 0.01 < float(tensors["model.layers.0.mlp.up_proj.weight"].float().std()) < 0.03
+    assert resolve(str(made.index)).tensor_bytes == made.tensor_bytes
+    assert synthetic.generate(tmp_path, 3 * MiB, 3).reused
+    assert not synthetic.generate(tmp_path, 3 * MiB, 2).reused
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3, 8])
+@pytest.mark.parametrize("direct", [False, True])
+def test_read_plan_covers_every_file(tmp_path: Path, jobs: int, direct: bool) -> None:
+    files = []
+    for i, size in enumerate((5 * MiB + 12345, 3 * MiB, 4096 * 3)):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(b"\0" * size)
+        files.append(path)
+    waves = ceilings._slices(files, jobs, direct)
+    assert all(len(wave) <= max(jobs, len(files)) for wave in waves)
+    for f in files:
+        pieces = sorted((o, n) for wave in waves for (p, o, n) in wave if p == f)
+        assert pieces[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(pieces))
+        covered, size = sum(n for _, n in pieces), f.stat().st_size
+        if direct:  # O_DIRECT lengths are whole 4 KiB blocks: each piece may drop a partial tail
+            assert size - 4096 * len(pieces) < covered <= size and all(n % 4096 == 0 for _, n in pieces)
+        else:
+            assert covered == size
+
+
+def test_python_read_ceiling_without_fio(tmp_path: Path) -> None:
+    made = synthetic.generate(tmp_path, 8 * MiB, 2)
+    found = ceilings.storage_ceilings(made.files, "warm", lambda: None, use_fio=False)
+    assert [c.name for c in found] == ["read_buffered", "read_direct"]
+    assert all(c.method == "python" and c.gbps and c.gbps > 0 for c in found)
+    assert [s["jobs"] for s in found[0].samples] == list(ceilings.JOB_COUNTS)
