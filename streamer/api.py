@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, Literal
@@ -13,10 +14,31 @@ import torch
 from streamer.checkpoint import open_checkpoint
 from streamer.config import StreamerConfig
 from streamer.destinations import parse_device
+from streamer.errors import ConfigError, StreamerError
 from streamer.pipeline import LoadRun
 from streamer.sources import SourceLike
 
 Order = Literal["completion", "checkpoint"]
+
+
+class _Iteration:
+    """One pass over a run; ``close()`` ends it for good and frees what its generator holds."""
+
+    def __init__(self, run: LoadRun) -> None:
+        self._results = run.results()
+        self._stopped = False
+
+    def __iter__(self) -> _Iteration:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        if self._stopped:
+            raise StreamerError("this iteration was stopped: the handle was closed or iterated again")
+        return next(self._results)
+
+    def close(self) -> None:
+        self._stopped = self._results.gi_frame is not None  # a finished pass just stays finished
+        self._results.close()
 
 
 class Streamer:
@@ -37,12 +59,13 @@ class Streamer:
         order: Order = "completion",
     ) -> None:
         if order not in ("completion", "checkpoint"):
-            raise ValueError(f"order must be 'completion' or 'checkpoint', got {order!r}")
+            raise ConfigError(f"order must be 'completion' or 'checkpoint', got {order!r}")
         self.device = parse_device(device)
         self.config = config if config is not None else StreamerConfig()
         self._order = order
         self._checkpoint = open_checkpoint(source)
-        self._run: LoadRun | None = None
+        self._run: LoadRun | None = None  # the last read, for metrics
+        self._iteration: weakref.ref[_Iteration] | None = None
 
     def keys(self) -> list[str]:
         return list(self._checkpoint.tensors)
@@ -67,27 +90,31 @@ class Streamer:
         return self._run.metrics.as_dict() if self._run is not None else {}
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """Reads one tensor (all workers share it when it is large)."""
+        """Reads one tensor (all workers share it when it is large); an iteration may be under way."""
         run = LoadRun(self._checkpoint, [self._checkpoint.ref(name)], self.config, ordered=True)
-        self._replace_run(run)
-        return next(iter(run.results()))[1]
+        self._run = run
+        results = run.results()
+        try:
+            return next(results)[1]
+        finally:
+            results.close()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Starts a new pass (ending any pass still under way); dropping the iterator ends it too."""
+        self.close()
         run = LoadRun(
             self._checkpoint, list(self._checkpoint.refs()), self.config, ordered=self._order == "checkpoint"
         )
-        self._replace_run(run)
-        return run.results()
-
-    def _replace_run(self, run: LoadRun) -> None:
-        if self._run is not None:
-            self._run.close()
+        iteration = _Iteration(run)
         self._run = run
+        self._iteration = weakref.ref(iteration)
+        return iteration
 
     def close(self) -> None:
-        """Stops a read in progress and releases its threads and files."""
-        if self._run is not None:
-            self._run.close()
+        """Stops a pass in progress and releases its threads, files and buffers."""
+        iteration = self._iteration() if self._iteration is not None else None
+        if iteration is not None:
+            iteration.close()
 
     def __enter__(self) -> Streamer:
         return self

@@ -73,7 +73,11 @@ class StreamerConfig:
     """
 
     concurrency: int = field(default_factory=lambda: _env_int("STREAMER_CONCURRENCY", 8))
-    block_size: int = field(default_factory=lambda: _env_size("STREAMER_BLOCK_SIZE", 8 << 20) or 8 << 20)
+    block_size: int = field(
+        default_factory=lambda: parse_size(
+            os.environ.get("STREAMER_BLOCK_SIZE") or "8MiB", name="STREAMER_BLOCK_SIZE"
+        )
+    )
     memory_limit: int | None = field(default_factory=lambda: _env_size("STREAMER_MEMORY_LIMIT", None))
     io_mode: IoMode = field(default_factory=_env_io_mode)
     hugepages: bool = field(default_factory=lambda: _env_int("STREAMER_HUGEPAGES", 1) != 0)

@@ -13,7 +13,7 @@ import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 
 import torch
 
@@ -63,11 +63,12 @@ class LoadRun:
         self._next_segment = 0
         self._in_flight = 0
         self._warned_over_limit = False
+        self._waiting = 0  # tensors taken from their buffers but not yet handed to the consumer
         self.metrics = LoadMetrics(
             files=len(self._files), tensors=len(self._refs), bytes=sum(r.entry.nbytes for r in self._refs)
         )
 
-    def results(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yields ``(name, tensor)`` in completion order, or checkpoint order if ``ordered``."""
         try:
             yield from self._run()
@@ -107,9 +108,13 @@ class LoadRun:
                     next_position += 1
                 delivered += 1
                 self.metrics.tensor_delivered()
+                if item[1].numel():
+                    self._waiting -= 1
                 yield item
             if delivered == len(self._refs):
                 break
+            if self._in_flight == 0:
+                continue  # everything read was handed out: queue more (over the limit if need be)
             waited = time.perf_counter()
             try:
                 completed = self._engine.wait(_WAIT_MS)
@@ -119,6 +124,7 @@ class LoadRun:
             for unit in completed:
                 self._in_flight -= 1
                 result = self._take_tensor(unit)
+                self._waiting += 1
                 if self._ordered:
                     pending[unit_position[unit]] = result
                 else:
@@ -164,7 +170,7 @@ class LoadRun:
         while self._next_segment < len(self._segments):
             index = self._next_segment
             segment = self._segments[index]
-            alone = not self._buffers
+            alone = not self._buffers and self._waiting == 0
             if not self._budget.try_reserve(segment.size, force=alone):
                 return False
             if alone and self._budget.over_limit and not self._warned_over_limit:

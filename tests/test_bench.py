@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +35,14 @@ _ENV = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_") or 
 def bench(
     *args: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m streamer.bench ARGS`` from this checkout."""
-    full_env = _ENV | {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), _ENV.get("PYTHONPATH")]))}
+    """``python -m streamer.bench ARGS`` of the installed package (run outside the checkout)."""
     return subprocess.run(
         [sys.executable, "-m", "streamer.bench", *args],
         capture_output=True,
         text=True,
-        env=full_env | (env or {}),
+        env=_ENV | (env or {}),
         timeout=timeout,
-        cwd=ROOT,
+        cwd=tempfile.gettempdir(),
     )
 
 

@@ -1,0 +1,327 @@
+"""Shared helpers for the loader tests: checkpoint writers, byte-exact comparison, resource counters.
+
+Everything here is independent of streamer's own format layer (headers are parsed with ``json``
+directly), so a bug there cannot hide itself from the tests that use these helpers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import struct
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+from streamer.config import StreamerConfig
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+# safetensors dtype name -> torch dtype, for the hand-built files (kept independent of streamer).
+TORCH_DTYPE = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
+    "C64": torch.complex64,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
+}
+
+
+# --- hermetic environment -------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_streamer_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests build their own configs; a STREAMER_* variable in the caller's shell must not leak in."""
+    for name in list(os.environ):
+        if name.startswith("STREAMER_"):
+            monkeypatch.delenv(name)
+
+
+def config(**overrides: Any) -> StreamerConfig:
+    """A config with small, explicit defaults (tests use small checkpoints)."""
+    values: dict[str, Any] = {
+        "concurrency": 4,
+        "block_size": 64 * KiB,
+        "memory_limit": None,
+        "io_mode": "auto",
+    }
+    values.update(overrides)
+    return StreamerConfig(**values)
+
+
+# --- tensors and comparison -----------------------------------------------------------------
+
+
+def random_tensor(
+    shape: Sequence[int], dtype: torch.dtype, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Random bit patterns of ``dtype`` (NaN payloads, infinities, subnormals included)."""
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        raw = raw % 2  # any other byte is not a valid torch bool
+    return raw.view(dtype).reshape(tuple(shape))
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's bytes in row-major order, for any dtype (0-d, empty, bool, float8, complex)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(got: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    """Same dtype, same shape, same bytes (so NaN payloads and -0.0 count)."""
+    where = f" for {name!r}" if name else ""
+    assert isinstance(got, torch.Tensor), f"not a tensor{where}: {type(got)}"
+    assert got.dtype == expected.dtype, f"dtype{where}: {got.dtype} != {expected.dtype}"
+    assert tuple(got.shape) == tuple(expected.shape), (
+        f"shape{where}: {tuple(got.shape)} != {tuple(expected.shape)}"
+    )
+    assert got.device.type == "cpu", f"device{where}: {got.device}"
+    assert raw_bytes(got) == raw_bytes(expected), f"bytes differ{where}"
+
+
+def assert_same_dict(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    assert set(got) == set(expected), (
+        f"missing {sorted(set(expected) - set(got))[:5]}, unexpected {sorted(set(got) - set(expected))[:5]}"
+    )
+    for name, tensor in expected.items():
+        assert_same(got[name], tensor, name)
+
+
+def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict[str, bytes]:
+    return {name: raw_bytes(t) for name, t in tensors.items()}
+
+
+# --- files ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint on disk: its shards in order, and the index file when one was written."""
+
+    directory: Path
+    shards: tuple[Path, ...]
+    index: Path | None
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def source(self) -> Path:
+        """The index when there is one, else the single file."""
+        if self.index is not None:
+            return self.index
+        assert len(self.shards) == 1
+        return self.shards[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def write_checkpoint(
+    directory: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    shards: int = 1,
+    index: bool = True,
+    metadata: Mapping[str, str] | None = None,
+    prefix: str = "model",
+) -> Written:
+    """Saves ``tensors`` with ``safetensors.torch.save_file`` into ``shards`` files (split in insertion
+    order) plus, when ``index``, an HF-style ``<prefix>.safetensors.index.json``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    per_shard = -(-len(names) // shards) if names else 0
+    paths: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for i in range(shards):
+        chunk = names[i * per_shard : (i + 1) * per_shard]
+        file_name = (
+            f"{prefix}.safetensors" if shards == 1 else f"{prefix}-{i + 1:05d}-of-{shards:05d}.safetensors"
+        )
+        path = directory / file_name
+        safetensors.torch.save_file(
+            {n: tensors[n] for n in chunk},
+            str(path),
+            metadata=dict(metadata) if metadata is not None else None,
+        )
+        paths.append(path)
+        weight_map.update({n: file_name for n in chunk})
+    index_path = None
+    if index:
+        index_path = directory / f"{prefix}.safetensors.index.json"
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return Written(directory, tuple(paths), index_path, dict(tensors))
+
+
+@dataclass(frozen=True)
+class RawEntry:
+    name: str
+    dtype: str  # safetensors name, e.g. "F32"
+    shape: tuple[int, ...]
+    data: bytes
+    gap: int = 0  # bytes of padding written before this tensor
+
+
+def write_raw(
+    path: str | os.PathLike[str],
+    entries: Sequence[RawEntry],
+    *,
+    metadata: Mapping[str, str] | None = None,
+    data_start_mod8: int | None = None,
+) -> dict[str, tuple[int, int]]:
+    """Writes a safetensors file byte by byte, tensors laid out in the given order with no alignment.
+
+    ``data_start_mod8``: pad the JSON with trailing spaces so that the data section starts at a
+    byte offset with this remainder modulo 8 (default: no padding, it starts wherever the JSON
+    ends). Returns each tensor's absolute [begin, end) in the file.
+    """
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    relative: dict[str, tuple[int, int]] = {}
+    for e in entries:
+        offset += e.gap
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [offset, offset + len(e.data)],
+        }
+        relative[e.name] = (offset, offset + len(e.data))
+        offset += len(e.data)
+    text = json.dumps(header).encode("utf-8")
+    if data_start_mod8 is not None:
+        text += b" " * ((data_start_mod8 - 8 - len(text)) % 8)
+    data_start = 8 + len(text)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for e in entries:
+            f.write(b"\0" * e.gap)
+            f.write(e.data)
+    return {name: (data_start + b, data_start + e) for name, (b, e) in relative.items()}
+
+
+def raw_entry(
+    name: str, dtype: str, shape: Sequence[int], *, gap: int = 0, generator: torch.Generator | None = None
+) -> tuple[RawEntry, torch.Tensor]:
+    """A random tensor and the RawEntry that writes it."""
+    tensor = random_tensor(shape, TORCH_DTYPE[dtype], generator)
+    return RawEntry(name, dtype, tuple(shape), raw_bytes(tensor), gap), tensor
+
+
+def file_layout(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+    """(name, absolute begin, absolute end) of every tensor, in offset order (ties by name),
+    parsed here with ``json`` rather than by streamer."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    rows = [(name, 8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for name, v in header.items()]
+    return sorted(rows, key=lambda r: (r[1], r[0]))
+
+
+def checkpoint_order(shards: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """Tensor names in file order, then offset order."""
+    return [name for shard in shards for name, _, _ in file_layout(shard)]
+
+
+def reference_load(shards: Sequence[str | os.PathLike[str]]) -> dict[str, torch.Tensor]:
+    """What ``safetensors`` itself reads from the shards."""
+    out: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        out.update(safetensors.torch.load_file(str(shard)))
+    return out
+
+
+# --- resources ------------------------------------------------------------------------------
+
+
+def thread_count() -> int:
+    """Kernel threads of this process (native pthreads included, unlike threading.active_count)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def open_files() -> list[str]:
+    """What each descriptor points at (for failure messages)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the descriptor listdir itself used is gone
+            out.append(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+    return sorted(out)
+
+
+def mapping_of(address: int) -> str | None:
+    """The /proc/self/maps line whose range holds ``address``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span = line.split()[0]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return line.rstrip("\n")
+    return None
+
+
+# --- hang guard -----------------------------------------------------------------------------
+
+
+class Deadline(Exception):
+    """A test ran past its deadline (a hang)."""
+
+
+@pytest.fixture
+def deadline() -> Iterator[Any]:
+    """``deadline(seconds)`` arms a guard: SIGALRM raises ``Deadline`` in the main thread (the loader
+    waits in 100 ms slices, so Python code runs often enough to see it); if the process is stuck in
+    native code instead, faulthandler dumps every thread's stack and exits after twice the time."""
+    armed = False
+
+    def arm(seconds: int) -> None:
+        nonlocal armed
+        armed = True
+
+        def on_alarm(signum: int, frame: Any) -> None:
+            raise Deadline(f"still running after {seconds} s: the load hangs")
+
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.alarm(seconds)
+        faulthandler.dump_traceback_later(2 * seconds, exit=True, file=sys.stderr)
+
+    yield arm
+    if armed:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        faulthandler.cancel_dump_traceback_later()
