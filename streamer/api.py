@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import weakref
 from collections.abc import Iterator
@@ -37,7 +38,8 @@ class _Iteration:
         return next(self._results)
 
     def close(self) -> None:
-        self._stopped = self._results.gi_frame is not None  # a finished pass just stays finished
+        # A pass that already ran to its end just stays finished.
+        self._stopped = inspect.getgeneratorstate(self._results) != inspect.GEN_CLOSED
         self._results.close()
 
 

@@ -23,7 +23,6 @@ from streamer.bench import cache, ceilings, cli, report, runner, synthetic
 from streamer.bench.checkpoint import resolve
 from streamer.bench.loaders import Setting
 
-ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
