@@ -18,7 +18,7 @@ pip_quiet install -q --upgrade pip
 # torch first and pinned exactly: an unpinned resolve pulls a multi-GB CUDA build.
 pip_quiet install -q torch==2.13.0
 python -m pip install -q '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
-python -c "import streamer.engine.native as n; n._lib()" || { echo "[setup] streamer failed to install" >&2; exit 1; }
+(cd / && python -c "import streamer.engine.native as n; n._lib()") || { echo "[setup] streamer failed to install" >&2; exit 1; }
 
 # fio gives the storage ceiling the benchmark reports beside our figures (optional).
 if ! command -v fio >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
