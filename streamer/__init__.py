@@ -1,6 +1,6 @@
 """streamer: load safetensors checkpoints from storage into memory at the speed of the hardware."""
 
-from streamer.api import Streamer, load, load_file, open
+from streamer.api import IncompatibleKeys, Streamer, load, load_file, load_into, open
 from streamer.config import StreamerConfig
 from streamer.errors import (
     ConfigError,
@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "DeviceError",
     "HeaderError",
+    "IncompatibleKeys",
     "ReadError",
     "SourceError",
     "Streamer",
@@ -25,5 +26,6 @@ __all__ = [
     "__version__",
     "load",
     "load_file",
+    "load_into",
     "open",
 ]

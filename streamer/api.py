@@ -1,4 +1,4 @@
-"""The public entry points: ``load``, ``load_file`` and the ``open`` handle."""
+"""The public entry points: ``load``, ``load_file``, ``load_into`` and the ``open`` handle."""
 
 from __future__ import annotations
 
@@ -6,26 +6,31 @@ import dataclasses
 import inspect
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from streamer.checkpoint import open_checkpoint
+from streamer.checkpoint import Checkpoint, TensorRef, open_checkpoint
 from streamer.config import StreamerConfig
-from streamer.destinations import parse_device
-from streamer.errors import ConfigError, StreamerError
+from streamer.destinations import copy_engine, parse_device
+from streamer.destinations.ring import RingCache
+from streamer.destinations.targets import ExistingTensors, NewMemory
+from streamer.errors import ConfigError, SourceError, StreamerError
 from streamer.pipeline import LoadRun
+from streamer.planner import Span
 from streamer.sources import SourceLike
+from streamer.staging import StagedRun
 
 Order = Literal["completion", "checkpoint"]
+Run = LoadRun | StagedRun
 
 
 class _Iteration:
     """One pass over a run; ``close()`` ends it for good and frees what its generator holds."""
 
-    def __init__(self, run: LoadRun) -> None:
+    def __init__(self, run: Run) -> None:
         self._results = run.results()
         self._stopped = False
 
@@ -50,6 +55,11 @@ class Streamer:
     read when it is iterated or asked for a tensor. Iterating yields ``(name, tensor)``
     as tensors complete (``order="checkpoint"``: in file and offset order). Every
     tensor handed out is backed by memory no other tensor will ever reuse.
+
+    On a GPU, reads go through a ring of pinned host slots (``memory_limit`` bytes, default
+    the smaller of 1 GiB and the bytes to read), allocated once and reused by every read of
+    this handle until ``close()``; tensors are views into one device allocation per group of
+    neighbouring tensors, handed out once the current stream is ordered after their copies.
     """
 
     def __init__(
@@ -66,8 +76,9 @@ class Streamer:
         self.config = config if config is not None else StreamerConfig()
         self._order = order
         self._checkpoint = open_checkpoint(source)
-        self._run: LoadRun | None = None  # the last read, for metrics
+        self._run: Run | None = None  # the last read, for metrics
         self._iteration: weakref.ref[_Iteration] | None = None
+        self._rings = RingCache()
 
     def keys(self) -> list[str]:
         return list(self._checkpoint.tensors)
@@ -93,7 +104,7 @@ class Streamer:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (all workers share it when it is large); an iteration may be under way."""
-        run = LoadRun(self._checkpoint, [self._checkpoint.ref(name)], self.config, ordered=True)
+        run = self._new_run([self._checkpoint.ref(name)], ordered=True)
         self._run = run
         results = run.results()
         try:
@@ -103,20 +114,50 @@ class Streamer:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Starts a new pass (ending any pass still under way); dropping the iterator ends it too."""
-        self.close()
-        run = LoadRun(
-            self._checkpoint, list(self._checkpoint.refs()), self.config, ordered=self._order == "checkpoint"
+        return self._iterate(keep_all=False)
+
+    def _iterate(self, *, keep_all: bool) -> _Iteration:
+        """``keep_all``: the caller keeps every tensor (``load``), so host buffers are not limited."""
+        self._stop()
+        run = self._new_run(
+            list(self._checkpoint.refs()), ordered=self._order == "checkpoint", keep_all=keep_all
         )
         iteration = _Iteration(run)
         self._run = run
         self._iteration = weakref.ref(iteration)
         return iteration
 
-    def close(self) -> None:
-        """Stops a pass in progress and releases its threads, files and buffers."""
+    def _new_run(self, refs: Sequence[TensorRef], *, ordered: bool, keep_all: bool = False) -> Run:
+        """A direct read into CPU memory, or a staged one through the ring where a copy engine is needed.
+
+        The staged ring is bounded by ``memory_limit`` even when everything is kept: the tensors
+        live on the device, the limit bounds host memory.
+        """
+        engine = copy_engine.staged_engine(self.device)
+        if engine is None:
+            config = dataclasses.replace(self.config, memory_limit=None) if keep_all else self.config
+            return LoadRun(self._checkpoint, refs, config, ordered=ordered)
+        device = self.device
+        return StagedRun(
+            self._checkpoint,
+            refs,
+            self.config,
+            ordered=ordered,
+            device=device,
+            copy_engine=engine,
+            destination_for=lambda regions, spans, loaded: NewMemory(device, regions),
+            rings=self._rings,
+        )
+
+    def _stop(self) -> None:
         iteration = self._iteration() if self._iteration is not None else None
         if iteration is not None:
             iteration.close()
+
+    def close(self) -> None:
+        """Stops a pass in progress and releases its threads, files, buffers and host ring."""
+        self._stop()
+        self._rings.clear()
 
     def __enter__(self) -> Streamer:
         return self
@@ -143,12 +184,11 @@ def load(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, keyed in checkpoint order.
 
-    The result holds everything, so ``memory_limit`` does not apply here; use ``open``
-    to stream under a limit.
+    The result holds everything, so for CPU ``memory_limit`` does not apply here (use
+    ``open`` to stream under a limit); for a GPU it bounds the host staging ring.
     """
-    config = dataclasses.replace(config if config is not None else StreamerConfig(), memory_limit=None)
     with Streamer(source, device=device, config=config) as handle:
-        loaded = dict(iter(handle))
+        loaded = dict(handle._iterate(keep_all=True))
         names = handle.keys()
     return {name: loaded[name] for name in names}
 
@@ -161,3 +201,99 @@ def load_file(
 ) -> dict[str, torch.Tensor]:
     """Drop-in for ``safetensors.torch.load_file``."""
     return load(filename, device, config=config)
+
+
+class IncompatibleKeys(NamedTuple):
+    """What ``load_into(strict=False)`` left alone, as ``torch.nn.Module.load_state_dict`` reports it."""
+
+    missing_keys: list[str]  # in ``dest``, not in the checkpoint: left unchanged
+    unexpected_keys: list[str]  # in the checkpoint, not in ``dest``: not read
+
+
+def load_into(
+    dest: Mapping[str, torch.Tensor],
+    source: SourceLike,
+    *,
+    config: StreamerConfig | None = None,
+    strict: bool = True,
+) -> IncompatibleKeys:
+    """Reads the checkpoint straight into existing tensors (CPU or GPU, e.g. a model's state dict).
+
+    Each tensor must have the checkpoint's dtype and shape (``ConfigError`` naming it otherwise).
+    With ``strict`` (the default) the names must match exactly (``SourceError`` naming the first
+    difference); without it, the names both sides have are loaded and the rest is reported.
+    Bytes go through a host ring of at most ``memory_limit`` bytes and are copied into the
+    tensors in place; when this returns, the current stream of each GPU is ordered after the
+    copies, and an error can leave some tensors loaded and others not.
+    """
+    config = config if config is not None else StreamerConfig()
+    checkpoint = open_checkpoint(source)
+    missing = [name for name in dest if name not in checkpoint.tensors]
+    unexpected = [name for name in checkpoint.tensors if name not in dest]
+    if strict and missing:
+        raise SourceError(f"{len(missing)} tensor(s) of dest are not in the checkpoint", tensor=missing[0])
+    if strict and unexpected:
+        raise SourceError(
+            f"{len(unexpected)} tensor(s) of the checkpoint have no place in dest (strict=False skips them)",
+            path=checkpoint.headers[checkpoint.tensors[unexpected[0]].file].path,
+            tensor=unexpected[0],
+        )
+    by_device: dict[torch.device, list[str]] = {}
+    for name in dest:
+        if name in checkpoint.tensors:
+            _check_destination(checkpoint, name, dest[name])
+            by_device.setdefault(dest[name].device, []).append(name)
+    rings = RingCache()
+    for device, names in by_device.items():
+        _fill(checkpoint, {name: dest[name] for name in names}, parse_device(device), config, rings)
+    return IncompatibleKeys(missing, unexpected)
+
+
+def _check_destination(checkpoint: Checkpoint, name: str, tensor: object) -> None:
+    ref = checkpoint.tensors[name]
+    path = checkpoint.headers[ref.file].path
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(f"dest holds a {type(tensor).__name__}, not a tensor", path=path, tensor=name)
+    entry = ref.entry
+    if tensor.dtype != entry.dtype.torch_dtype:
+        raise ConfigError(
+            f"dtype mismatch: checkpoint {entry.dtype.name} ({entry.dtype.torch_dtype}), dest {tensor.dtype}",
+            path=path,
+            tensor=name,
+        )
+    if tuple(tensor.shape) != entry.shape:
+        raise ConfigError(
+            f"shape mismatch: checkpoint {list(entry.shape)}, dest {list(tensor.shape)}",
+            path=path,
+            tensor=name,
+        )
+
+
+def _fill(
+    checkpoint: Checkpoint,
+    dest: Mapping[str, torch.Tensor],
+    device: torch.device,
+    config: StreamerConfig,
+    rings: RingCache,
+) -> None:
+    """Loads the tensors of one device; zero-size ones have nothing to read."""
+    refs = [checkpoint.tensors[name] for name in dest if checkpoint.tensors[name].entry.nbytes > 0]
+    engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
+
+    def existing(
+        regions: Sequence[Span], spans: Sequence[Span], loaded: Sequence[TensorRef]
+    ) -> ExistingTensors:
+        return ExistingTensors(spans, [dest[ref.entry.name] for ref in loaded])
+
+    run = StagedRun(
+        checkpoint,
+        refs,
+        config,
+        ordered=False,
+        device=device,
+        copy_engine=engine,
+        destination_for=existing,
+        rings=rings,
+    )
+    for _ in run.results():
+        pass

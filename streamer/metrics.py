@@ -23,6 +23,10 @@ class LoadMetrics:
     memory_wait_seconds: float = 0.0
     alloc_seconds: float = 0.0
     peak_buffer_bytes: int = 0
+    ring_alloc_seconds: float = 0.0  # staged loads: allocating (pinning) the host ring
+    copy_wait_seconds: float = 0.0  # staged loads: consumer blocked on copies with no read in flight
+    ring_stalls: int = 0  # staged loads: times a read could not start because every slot was busy
+    copies: int = 0  # staged loads: copies out of the ring
     engine: dict[str, float] = field(default_factory=dict)
     _started: float = 0.0
 
@@ -47,6 +51,13 @@ class LoadMetrics:
     def add_alloc(self, seconds: float) -> None:
         self.alloc_seconds += seconds
 
+    def add_ring_alloc(self, seconds: float) -> None:
+        self.ring_alloc_seconds += seconds
+
+    def add_copy_wait(self, seconds: float) -> None:
+        self.consumer_wait_seconds += seconds
+        self.copy_wait_seconds += seconds
+
     def add_engine_stats(self, stats: dict[str, float]) -> None:
         self.engine = dict(stats)
 
@@ -70,6 +81,10 @@ class LoadMetrics:
             "memory_wait_s": self.memory_wait_seconds,
             "alloc_s": self.alloc_seconds,
             "peak_buffer_bytes": self.peak_buffer_bytes,
+            "ring_alloc_s": self.ring_alloc_seconds,
+            "copy_wait_s": self.copy_wait_seconds,
+            "ring_stalls": self.ring_stalls,
+            "copies": self.copies,
             "bytes_read": int(self.engine.get("bytes_read", 0)),
             "read_s": self.engine.get("read_seconds", 0.0),
             "worker_idle_s": self.engine.get("idle_seconds", 0.0),

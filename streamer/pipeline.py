@@ -43,6 +43,7 @@ class LoadRun:
         engine_file = {file: i for i, file in enumerate(self._files)}
         self._unit_refs = [r for r in self._refs if r.entry.nbytes > 0]
         self._units = [native.Unit(engine_file[r.file], r.entry.begin, r.entry.end) for r in self._unit_refs]
+        self._named_units = [(u, r.entry.name) for u, r in zip(self._units, self._unit_refs, strict=True)]
         segment_bytes = (
             None if config.memory_limit is None else max(config.block_size, config.memory_limit // 4)
         )
@@ -86,7 +87,7 @@ class LoadRun:
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.metrics.start()
-        self._engine = self._start_engine()
+        self._engine = start_engine(self._checkpoint, self._files, self._config, self._units, self.metrics)
         pending: dict[int, tuple[str, torch.Tensor]] = {}  # position in self._refs -> result
         ready: deque[tuple[str, torch.Tensor]] = deque()
         unit_position = [i for i, r in enumerate(self._refs) if r.entry.nbytes > 0]
@@ -119,7 +120,7 @@ class LoadRun:
             try:
                 completed = self._engine.wait(_WAIT_MS)
             except native.EngineFailure as failure:
-                raise self._error_for(failure.info) from None
+                raise engine_error(self._checkpoint, self._files, self._named_units, failure.info) from None
             self.metrics.add_wait(time.perf_counter() - waited, blocked_on_memory)
             for unit in completed:
                 self._in_flight -= 1
@@ -129,35 +130,6 @@ class LoadRun:
                     pending[unit_position[unit]] = result
                 else:
                     ready.append(result)
-
-    def _start_engine(self) -> native.Engine:
-        engine = native.Engine(self._config.concurrency, self._units)
-        try:
-            for index, file in enumerate(self._files):
-                path = self._checkpoint.headers[file].path
-                try:
-                    engine_index, direct = engine.add_file(path, self._wants_direct(path))
-                except OSError as exc:
-                    raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
-                if engine_index != index:
-                    raise StreamerError(f"engine numbered file {engine_index}, expected {index}", path=path)
-                self.metrics.file_opened(direct)
-        except BaseException:
-            engine.close()
-            raise
-        return engine
-
-    def _wants_direct(self, path: str) -> bool:
-        """O_DIRECT for files the page cache does not hold; buffered reads for those it does."""
-        if self._config.io_mode == "buffered" or self._config.block_size % DIRECT_IO_ALIGNMENT:
-            return False
-        if self._config.io_mode == "direct":
-            return True
-        try:
-            resident, total = native.resident_bytes(path)
-        except OSError:
-            return False
-        return resident < total * _CACHED_FRACTION
 
     def _submit_what_fits(self) -> bool:
         """Queues segments in order while the budget allows; False if one is waiting for memory.
@@ -203,7 +175,7 @@ class LoadRun:
         try:
             self._engine.submit([block._replace(dst=base + block.dst) for block in segment.blocks])
         except native.EngineFailure as failure:
-            raise self._error_for(failure.info) from None
+            raise engine_error(self._checkpoint, self._files, self._named_units, failure.info) from None
         self.metrics.blocks += len(segment.blocks)
 
     def _take_tensor(self, unit: int) -> tuple[str, torch.Tensor]:
@@ -217,26 +189,72 @@ class LoadRun:
             del self._undelivered[index]
         return entry.name, tensor
 
-    def _error_for(self, info: native.ErrorInfo) -> StreamerError:
-        if info.code == native.ERR_CANCELLED:
-            return StreamerError("the load was cancelled")
-        if info.file < 0 or info.file >= len(self._files):
-            return StreamerError(f"the engine failed with status {info.code}")
-        path = self._checkpoint.headers[self._files[info.file]].path
-        tensor = self._tensor_at(info.file, info.offset + info.got)
-        if info.code == native.ERR_TRUNCATED:
-            message = (
-                f"file ended early: {info.got} of {info.expected} bytes read "
-                "(truncated or replaced while loading?)"
-            )
-        elif info.code == native.ERR_READ:
-            message = f"read failed: {os.strerror(info.sys_errno)}"
-        else:
-            message = f"read failed with engine status {info.code}"
-        return ReadError(message, path=path, tensor=tensor, offset=info.offset)
 
-    def _tensor_at(self, engine_file: int, position: int) -> str | None:
-        """The tensor holding ``position`` in the file, or the next one after it."""
-        units = [(u.begin, u.end, i) for i, u in enumerate(self._units) if u.file == engine_file]
-        found = bisect.bisect_right([end for _, end, _ in units], position)
-        return self._unit_refs[units[found][2]].entry.name if found < len(units) else None
+def start_engine(
+    checkpoint: Checkpoint,
+    files: Sequence[int],
+    config: StreamerConfig,
+    units: Sequence[native.Unit],
+    metrics: LoadMetrics,
+) -> native.Engine:
+    """An engine over ``units`` with ``files`` (checkpoint file indices) opened as engine files 0..n-1."""
+    engine = native.Engine(config.concurrency, units)
+    try:
+        for index, file in enumerate(files):
+            path = checkpoint.headers[file].path
+            try:
+                engine_index, direct = engine.add_file(path, _wants_direct(config, path))
+            except OSError as exc:
+                raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
+            if engine_index != index:
+                raise StreamerError(f"engine numbered file {engine_index}, expected {index}", path=path)
+            metrics.file_opened(direct)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
+
+
+def _wants_direct(config: StreamerConfig, path: str) -> bool:
+    """O_DIRECT for files the page cache does not hold; buffered reads for those it does."""
+    if config.io_mode == "buffered" or config.block_size % DIRECT_IO_ALIGNMENT:
+        return False
+    if config.io_mode == "direct":
+        return True
+    try:
+        resident, total = native.resident_bytes(path)
+    except OSError:
+        return False
+    return resident < total * _CACHED_FRACTION
+
+
+def engine_error(
+    checkpoint: Checkpoint,
+    files: Sequence[int],
+    tensors: Sequence[tuple[native.Unit, str]],
+    info: native.ErrorInfo,
+) -> StreamerError:
+    """The typed error for an engine failure; ``tensors`` (sorted by file and offset) name the place."""
+    if info.code == native.ERR_CANCELLED:
+        return StreamerError("the load was cancelled")
+    if info.file < 0 or info.file >= len(files):
+        return StreamerError(f"the engine failed with status {info.code}")
+    path = checkpoint.headers[files[info.file]].path
+    tensor = _tensor_at(tensors, info.file, info.offset + info.got)
+    if info.code == native.ERR_TRUNCATED:
+        message = (
+            f"file ended early: {info.got} of {info.expected} bytes read "
+            "(truncated or replaced while loading?)"
+        )
+    elif info.code == native.ERR_READ:
+        message = f"read failed: {os.strerror(info.sys_errno)}"
+    else:
+        message = f"read failed with engine status {info.code}"
+    return ReadError(message, path=path, tensor=tensor, offset=info.offset)
+
+
+def _tensor_at(tensors: Sequence[tuple[native.Unit, str]], engine_file: int, position: int) -> str | None:
+    """The tensor holding ``position`` in the file, or the next one after it."""
+    in_file = [(unit.end, name) for unit, name in tensors if unit.file == engine_file]
+    found = bisect.bisect_right([end for end, _ in in_file], position)
+    return in_file[found][1] if found < len(in_file) else None

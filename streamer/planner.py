@@ -95,3 +95,77 @@ def _plan_segment(units: Sequence[Unit], start: int, stop: int, block_size: int,
             )
         )
     return Segment(first.file, start, stop - 1, buffer_begin, buffer_end, tuple(blocks))
+
+
+@dataclass(frozen=True)
+class Span:
+    """A byte range ``[begin, end)`` of one file (a run of tensors to read, or a copy destination)."""
+
+    file: int
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Up to one ring slot of a file: read into a slot, then copied out of it as a whole.
+
+    The slot holds file bytes ``[read_begin, read_end)`` (aligned for O_DIRECT); only
+    ``[begin, end)`` are wanted. Block ``dst`` fields are offsets into the slot. Piece ``i``
+    is the engine's unit ``i``: it completes when its wanted bytes are all read.
+    """
+
+    file: int
+    begin: int
+    end: int
+    read_begin: int
+    read_end: int
+    blocks: tuple[Block, ...]
+
+
+def group_spans(spans: Sequence[Span], *, max_gap: int) -> list[Span]:
+    """Merges spans (sorted by file, then offset) of one file that are at most ``max_gap`` apart.
+
+    Reading a small gap costs less than another read and another destination allocation.
+    """
+    groups: list[Span] = []
+    for span in spans:
+        last = groups[-1] if groups else None
+        if last is not None and last.file == span.file and span.begin - last.end <= max_gap:
+            groups[-1] = Span(last.file, last.begin, max(last.end, span.end))
+        else:
+            groups.append(span)
+    return groups
+
+
+def plan_pieces(regions: Sequence[Span], *, slot_size: int, block_size: int, alignment: int) -> list[Piece]:
+    """Cuts each region into slot-sized pieces at aligned offsets, regardless of tensor boundaries.
+
+    ``slot_size`` must be a multiple of ``alignment``; regions must be at least ``2 * alignment``
+    apart so that no two pieces read the same aligned block.
+    """
+    step = min(block_size, slot_size)
+    pieces: list[Piece] = []
+    for region in regions:
+        read_begin = _align_down(region.begin, alignment)
+        read_stop = _align_up(region.end, alignment)
+        for start in range(read_begin, read_stop, slot_size):
+            stop = min(start + slot_size, read_stop)
+            begin, end = max(start, region.begin), min(stop, region.end)
+            unit = len(pieces)
+            blocks = tuple(
+                Block(
+                    file=region.file,
+                    first_unit=unit,
+                    last_unit=unit,
+                    acc_begin=max(offset, begin),
+                    acc_end=min(offset + step, end),
+                    read_offset=offset,
+                    read_length=min(step, stop - offset),
+                    dst=offset - start,
+                )
+                for offset in range(start, stop, step)
+                if max(offset, begin) < min(offset + step, end)
+            )
+            pieces.append(Piece(region.file, begin, end, start, stop, blocks))
+    return pieces

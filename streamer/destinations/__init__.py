@@ -16,5 +16,11 @@ def parse_device(device: str | torch.device) -> torch.device:
     if parsed.type == "cpu":
         return parsed
     if parsed.type == "cuda":
-        raise DeviceError(f"device {str(parsed)!r}: GPU destinations are not available in this version")
-    raise DeviceError(f"device {str(parsed)!r}: only 'cpu' is supported")
+        # Neither call creates a CUDA context: they only count devices.
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {str(parsed)!r}: torch reports no usable CUDA device on this machine")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise DeviceError(f"device {str(parsed)!r}: this machine has {count} CUDA device(s)")
+        return parsed
+    raise DeviceError(f"device {str(parsed)!r}: only 'cpu' and 'cuda[:N]' are supported")

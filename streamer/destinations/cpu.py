@@ -70,17 +70,17 @@ def tensor_view(buffer: torch.Tensor, offset: int, entry: TensorEntry) -> torch.
     """The tensor ``entry`` whose bytes start at ``buffer[offset]``.
 
     Zero-copy when the offset suits the dtype's alignment (always, for files that
-    safetensors writes); otherwise copied into a tensor of its own.
+    safetensors writes); otherwise copied into a tensor of its own on the buffer's device.
     """
     raw = buffer[offset : offset + entry.nbytes]
     dtype = entry.dtype.torch_dtype
     if (buffer.data_ptr() + offset) % entry.dtype.itemsize == 0:
         return raw.view(dtype).view(entry.shape)
-    aligned = torch.empty(entry.shape, dtype=dtype)
+    aligned = torch.empty(entry.shape, dtype=dtype, device=buffer.device)
     aligned.view(-1).view(torch.uint8).copy_(raw)
     return aligned
 
 
-def empty_tensor(entry: TensorEntry) -> torch.Tensor:
+def empty_tensor(entry: TensorEntry, device: torch.device | None = None) -> torch.Tensor:
     """A zero-size tensor needs no bytes and no buffer."""
-    return torch.empty(entry.shape, dtype=entry.dtype.torch_dtype)
+    return torch.empty(entry.shape, dtype=entry.dtype.torch_dtype, device=device)
