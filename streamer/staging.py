@@ -23,7 +23,7 @@ from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.copy_engine import CopyEngine, CopyTicket
 from streamer.destinations.cpu import empty_tensor
-from streamer.destinations.ring import HostRing, RingCache
+from streamer.destinations.ring import HostRing, RingCache, ring_bytes_for
 from streamer.destinations.targets import Destination
 from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
@@ -105,25 +105,25 @@ class StagedRun:
             self._rings.give_back(ring)
         self._destination = None
 
-    def _ring_bytes(self) -> int:
-        needed = sum(
-            _align_up(r.end, DIRECT_IO_ALIGNMENT) - r.begin + r.begin % DIRECT_IO_ALIGNMENT
-            for r in self._regions
-        )
+    def _ring_bytes(self, pinned: bool) -> int:
         limit = self._config.memory_limit if self._config.memory_limit is not None else DEFAULT_RING_BYTES
         if limit < DIRECT_IO_ALIGNMENT:
             raise ConfigError(
                 f"memory_limit {limit} is too small for a staged load: the ring needs at least "
                 f"{DIRECT_IO_ALIGNMENT} bytes"
             )
-        return max(DIRECT_IO_ALIGNMENT, min(limit, needed))
+        needed = sum(
+            _align_up(r.end, DIRECT_IO_ALIGNMENT) - (r.begin - r.begin % DIRECT_IO_ALIGNMENT)
+            for r in self._regions
+        )
+        return ring_bytes_for(needed, limit, alignment=DIRECT_IO_ALIGNMENT, pinned=pinned)
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         assert self._copy_engine is not None and self._destination is not None
         copy_engine, destination = self._copy_engine, self._destination
         self.metrics.start()
         self._ring, alloc_seconds = self._rings.acquire(
-            self._ring_bytes(), alignment=DIRECT_IO_ALIGNMENT, pinned=copy_engine.pinned
+            self._ring_bytes(copy_engine.pinned), alignment=DIRECT_IO_ALIGNMENT, pinned=copy_engine.pinned
         )
         ring = self._ring
         self.metrics.add_ring_alloc(alloc_seconds)

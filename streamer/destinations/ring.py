@@ -17,6 +17,19 @@ MAX_SLOT_BYTES = 64 << 20  # a copy this large runs near the link's peak; more s
 MIN_SLOTS = 8
 
 
+def ring_bytes_for(needed: int, limit: int, *, alignment: int, pinned: bool) -> int:
+    """The ring for a run that reads ``needed`` bytes under ``limit``.
+
+    A pinned ring is a power of two: torch's pinned allocator rounds every request up to
+    one, so any other size would pin (and hold) up to twice what the limit allows.
+    """
+    size = max(alignment, min(limit, needed))
+    if pinned:
+        size = min(1 << (size - 1).bit_length(), limit)  # round up, unless that breaks the limit
+        size = 1 << (size.bit_length() - 1)  # then down to a power of two
+    return size
+
+
 def slot_size_for(ring_bytes: int, alignment: int) -> int:
     """Aim for ``MIN_SLOTS`` slots of at most ``MAX_SLOT_BYTES``, aligned, at least one alignment unit."""
     target = min(MAX_SLOT_BYTES, ring_bytes // MIN_SLOTS)
@@ -33,10 +46,9 @@ class HostRing:
         size = self.slots * self.slot_size
         started = time.perf_counter()
         if pinned:
-            # The caching host allocator hands out page-aligned blocks; the slack covers any other case.
-            raw = torch.empty(size + alignment, dtype=torch.uint8, pin_memory=True)
-            skew = -raw.data_ptr() % alignment
-            self._memory = raw[skew : skew + size]
+            self._memory = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            if self._memory.data_ptr() % alignment:  # cudaHostAlloc returns whole pages
+                raise MemoryError(f"pinned memory at {self._memory.data_ptr():#x} is not {alignment}-aligned")
         else:
             self._memory, _ = allocate_buffer(size, hugepages=False, budget=MemoryBudget(None))
         self.alloc_seconds = time.perf_counter() - started
