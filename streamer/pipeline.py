@@ -24,6 +24,7 @@ from streamer.engine import native
 from streamer.errors import ReadError, SourceError, StreamerError
 from streamer.metrics import LoadMetrics
 from streamer.planner import Segment, plan_segments
+from streamer.selection import Selection, run_then_close
 
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
 _CACHED_FRACTION = 0.5  # auto mode reads a file buffered when at least this much of it is cached
@@ -38,10 +39,11 @@ class LoadRun:
         self._checkpoint = checkpoint
         self._config = config
         self._ordered = ordered
-        self._refs = sorted(refs, key=lambda r: (r.file, r.entry.begin, r.entry.name))
-        self._files = sorted({r.file for r in self._refs})
-        engine_file = {file: i for i, file in enumerate(self._files)}
-        self._unit_refs = [r for r in self._refs if r.entry.nbytes > 0]
+        selection = Selection.of(refs)
+        self._refs = selection.refs
+        self._files = selection.files
+        engine_file = selection.engine_file()
+        self._unit_refs = selection.with_bytes()
         self._units = [native.Unit(engine_file[r.file], r.entry.begin, r.entry.end) for r in self._unit_refs]
         self._named_units = [(u, r.entry.name) for u, r in zip(self._units, self._unit_refs, strict=True)]
         segment_bytes = (
@@ -65,16 +67,11 @@ class LoadRun:
         self._in_flight = 0
         self._warned_over_limit = False
         self._waiting = 0  # tensors taken from their buffers but not yet handed to the consumer
-        self.metrics = LoadMetrics(
-            files=len(self._files), tensors=len(self._refs), bytes=sum(r.entry.nbytes for r in self._refs)
-        )
+        self.metrics = selection.new_metrics()
 
     def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yields ``(name, tensor)`` in completion order, or checkpoint order if ``ordered``."""
-        try:
-            yield from self._run()
-        finally:
-            self.close()
+        return run_then_close(self._run(), self.close)
 
     def close(self) -> None:
         """Stops reading, waits for in-flight reads, then lets go of the buffers."""

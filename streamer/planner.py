@@ -37,12 +37,12 @@ class Segment:
         return self.buffer_end - self.buffer_begin
 
 
-def _align_down(value: int, alignment: int) -> int:
+def align_down(value: int, alignment: int) -> int:
     return value - value % alignment
 
 
-def _align_up(value: int, alignment: int) -> int:
-    return _align_down(value + alignment - 1, alignment)
+def align_up(value: int, alignment: int) -> int:
+    return align_down(value + alignment - 1, alignment)
 
 
 def plan_segments(
@@ -69,8 +69,8 @@ def plan_segments(
 
 def _plan_segment(units: Sequence[Unit], start: int, stop: int, block_size: int, alignment: int) -> Segment:
     first, last = units[start], units[stop - 1]
-    buffer_begin = _align_down(first.begin, alignment)
-    buffer_end = _align_up(last.end, alignment)
+    buffer_begin = align_down(first.begin, alignment)
+    buffer_end = align_up(last.end, alignment)
     begins = [u.begin for u in units[start:stop]]
     ends = [u.end for u in units[start:stop]]
     blocks: list[Block] = []
@@ -147,8 +147,8 @@ def plan_pieces(regions: Sequence[Span], *, slot_size: int, block_size: int, ali
     step = min(block_size, slot_size)
     pieces: list[Piece] = []
     for region in regions:
-        read_begin = _align_down(region.begin, alignment)
-        read_stop = _align_up(region.end, alignment)
+        read_begin = align_down(region.begin, alignment)
+        read_stop = align_up(region.end, alignment)
         for start in range(read_begin, read_stop, slot_size):
             stop = min(start + slot_size, read_stop)
             begin, end = max(start, region.begin), min(stop, region.end)

@@ -27,9 +27,9 @@ from streamer.destinations.ring import HostRing, RingCache, ring_bytes_for
 from streamer.destinations.targets import Destination
 from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
-from streamer.metrics import LoadMetrics
 from streamer.pipeline import engine_error, start_engine
-from streamer.planner import Piece, Span, group_spans, plan_pieces
+from streamer.planner import Piece, Span, align_down, align_up, group_spans, plan_pieces
+from streamer.selection import Selection, run_then_close
 
 DEFAULT_RING_BYTES = 1 << 30  # reaches PCIe speed with room to spare; smaller checkpoints get less
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
@@ -63,27 +63,23 @@ class StagedRun:
         self._device = device
         self._copy_engine: CopyEngine | None = copy_engine
         self._rings = rings
-        self._refs = sorted(refs, key=lambda r: (r.file, r.entry.begin, r.entry.name))
-        self._files = sorted({r.file for r in self._refs})
-        engine_file = {file: i for i, file in enumerate(self._files)}
+        selection = Selection.of(refs)
+        self._refs = selection.refs
+        self._files = selection.files
+        engine_file = selection.engine_file()
         self._position = {id(r): i for i, r in enumerate(self._refs)}
-        self._loaded = [r for r in self._refs if r.entry.nbytes > 0]
+        self._loaded = selection.with_bytes()
         self._spans = [Span(engine_file[r.file], r.entry.begin, r.entry.end) for r in self._loaded]
         self._regions = group_spans(self._spans, max_gap=max(config.block_size, 2 * DIRECT_IO_ALIGNMENT))
         self._destination: Destination | None = destination_for(self._regions, self._spans, self._loaded)
         self._ring: HostRing | None = None
         self._engine: native.Engine | None = None
         self._copying: dict[int, list[CopyTicket]] = {}  # piece -> its copies still running
-        self.metrics = LoadMetrics(
-            files=len(self._files), tensors=len(self._refs), bytes=sum(r.entry.nbytes for r in self._refs)
-        )
+        self.metrics = selection.new_metrics()
 
     def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yields ``(name, tensor)`` in completion order, or checkpoint order if ``ordered``."""
-        try:
-            yield from self._run()
-        finally:
-            self.close()
+        return run_then_close(self._run(), self.close)
 
     def close(self) -> None:
         """Stops reading, lets running copies finish (a slot must outlive its copy), returns the ring."""
@@ -113,7 +109,7 @@ class StagedRun:
                 f"{DIRECT_IO_ALIGNMENT} bytes"
             )
         needed = sum(
-            _align_up(r.end, DIRECT_IO_ALIGNMENT) - (r.begin - r.begin % DIRECT_IO_ALIGNMENT)
+            align_up(r.end, DIRECT_IO_ALIGNMENT) - align_down(r.begin, DIRECT_IO_ALIGNMENT)
             for r in self._regions
         )
         return ring_bytes_for(needed, limit, alignment=DIRECT_IO_ALIGNMENT, pinned=pinned)
@@ -306,7 +302,3 @@ class _Plan:
                 if span.file == cut.file and begin < end:
                     overlaps.append((target, begin, end))
             self.copies.append(overlaps)
-
-
-def _align_up(value: int, alignment: int) -> int:
-    return value + (-value % alignment)
