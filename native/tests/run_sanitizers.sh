@@ -21,6 +21,11 @@ export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
 run() {
     local name=$1 flags=$2 dir=$out/$1
     echo "=== $name: $flags"
+    # A cache generated from another checkout is refused by cmake; start that flavour afresh.
+    if [ -f "$dir/CMakeCache.txt" ] &&
+        ! grep -qxF "CMAKE_HOME_DIRECTORY:INTERNAL=$repo/native/tests" "$dir/CMakeCache.txt"; then
+        rm -rf "$dir"
+    fi
     cmake -S "$repo/native/tests" -B "$dir" -DCMAKE_BUILD_TYPE=None \
         -DCMAKE_C_FLAGS="$flags" >/dev/null || return 1
     cmake --build "$dir" -j "$jobs" || return 1
