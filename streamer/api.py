@@ -112,6 +112,10 @@ class Streamer:
         finally:
             results.close()
 
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """``handle[name]``, so ``dict(handle)`` works; each key is its own read (iterate for speed)."""
+        return self.get_tensor(name)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Starts a new pass (ending any pass still under way); dropping the iterator ends it too."""
         return self._iterate(keep_all=False)

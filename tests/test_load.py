@@ -391,6 +391,12 @@ def test_get_tensor(mixed: Written, mixed_reference: dict[str, torch.Tensor]) ->
     assert info.value.tensor == "missing.weight"
 
 
+def test_indexing_and_dict_of_a_handle(mixed: Written, mixed_reference: dict[str, torch.Tensor]) -> None:
+    with streamer.open(mixed.index, config=config()) as s:
+        assert_same(s["layers.0.weight"], mixed_reference["layers.0.weight"])
+        assert_same_dict(dict(s), mixed_reference)  # keys() + __getitem__, like a Mapping
+
+
 def test_get_tensor_matches_safe_open(mixed: Written) -> None:
     from safetensors import safe_open
 
