@@ -86,7 +86,7 @@ def test_weights_source(tmp_path: Path) -> None:
 
 
 def test_weights_source_missing(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match="not a local path.*weights"):
+    with pytest.raises(SourceError, match=r"not a local path.*weights"):
         weights_source(parse_options({}), "meta-llama/Llama-3-8B")
     with pytest.raises(SourceError, match="weights"):
         weights_source(parse_options({"weights": str(tmp_path / "nope")}), str(tmp_path))
@@ -110,7 +110,7 @@ def test_check_all_loaded() -> None:
 
 def test_check_all_loaded_shortens_long_lists() -> None:
     model = nn.Sequential(*[nn.Linear(1, 1, bias=False) for _ in range(30)])
-    with pytest.raises(ValueError, match="30 parameter.*and 10 more"):
+    with pytest.raises(ValueError, match=r"30 parameter.*and 10 more"):
         check_all_loaded(model, set(), quantized=False)
 
 
