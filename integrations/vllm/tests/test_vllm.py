@@ -77,6 +77,26 @@ def reference(model_dir: Path, scratch: Path) -> dict[str, Any]:
     return result_of(run_llm(model_dir, "safetensors", None, scratch))
 
 
+def test_register_is_idempotent_and_leaves_cuda_alone() -> None:
+    import streamer_vllm
+    import torch
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what vLLM does in each of its processes: finds us by entry point
+    streamer_vllm.register()
+    streamer_vllm.register()
+    loader = get_model_loader(
+        LoadConfig(load_format="streamer", model_loader_extra_config={"concurrency": 3})
+    )
+    assert type(loader).__name__ == "StreamerModelLoader"
+    assert loader.options.config.concurrency == 3
+    assert not torch.cuda.is_initialized()
+    with pytest.raises(ValueError, match="valid keys: concurrency, block_size, memory_limit, weights"):
+        get_model_loader(LoadConfig(load_format="streamer", model_loader_extra_config={"chunk": 1}))
+
+
 def test_same_tokens_as_safetensors_in_multiprocess_mode(
     model_dir: Path, scratch: Path, reference: dict[str, Any]
 ) -> None:
