@@ -18,6 +18,8 @@ pip_quiet install -q --upgrade pip
 # torch first and pinned exactly: an unpinned resolve pulls a multi-GB CUDA build.
 pip_quiet install -q torch==2.13.0
 python -m pip install -q '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+# The vLLM plugin (no dependency on vLLM): its vLLM-free parts are tested by the main suite.
+python -m pip install -q --no-deps ./integrations/vllm 2>&1 | grep -v '^WARNING: Location' || true
 (cd / && python -c "import streamer.engine.native as n; n._lib()") || { echo "[setup] streamer failed to install" >&2; exit 1; }
 
 # fio gives the storage ceiling the benchmark reports beside our figures (optional).

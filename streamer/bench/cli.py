@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamer-bench",
         description="Cold-start load times of safetensors loaders, each run in a fresh process, "
         "with verified page-cache eviction, interleaved repetitions and hardware ceilings.",
-        epilog="example: streamer-bench --synthetic 4GiB --cold --warm --sweep concurrency=1,4,16",
+        epilog="example: streamer-bench --synthetic 4GiB --cold --warm --sweep concurrency=1,4,16; "
+        "vLLM cold starts per load format: streamer-bench vllm --help",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
@@ -426,6 +427,11 @@ def document(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given[:1] == ["vllm"]:  # the vLLM cold-start subcommand (streamer/bench/vllm_bench.py)
+        from streamer.bench.vllm_bench import main as vllm_main
+
+        return vllm_main(given[1:])
     args = parse_args(argv)
     progress = Progress(args.quiet)
     with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:

@@ -1,0 +1,82 @@
+"""vLLM's ``BaseModelLoader`` for ``--load-format streamer``.
+
+Imported only by :func:`streamer_vllm.register`, i.e. once vLLM itself is running: this is the
+one module of the plugin that imports vLLM.
+
+Tensors go to ``model.load_weights`` exactly as streamer yields them, without a defensive copy:
+on the CPU each one is a view into a buffer that streamer never reuses while any view into it
+is alive, so a tensor vLLM keeps (or copies late) cannot change under it; on a GPU each one
+is a view into device memory of its own, handed out once the current stream is ordered after
+its copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any, cast
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+import streamer
+from streamer_vllm.checks import check_all_loaded, target_device
+from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
+
+# Under ``vllm.`` so that vLLM's own logging configuration (handler, format, level) applies.
+logger = logging.getLogger("vllm.plugins.streamer")
+
+
+class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships no type information
+    """Streams every tensor of the safetensors checkpoint into the model as soon as it is read."""
+
+    def __init__(self, load_config: LoadConfig) -> None:
+        super().__init__(load_config)
+        extra = load_config.model_loader_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError(
+                "load format 'streamer' takes a dict as model_loader_extra_config, "
+                f"got {type(extra).__name__}"
+            )
+        self.options: LoaderOptions = parse_options(extra)
+
+    def _source(self, model_config: ModelConfig) -> str:
+        model = getattr(model_config, "model_weights", "") or model_config.model
+        return weights_source(self.options, model)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: checks that the weights are where they are said to be."""
+        source = self._source(model_config)
+        if not is_remote(source):
+            streamer.open(source).close()  # resolves the files and parses every header
+
+    def iterate_weights(
+        self, source: str, device: str, metrics: dict[str, Any]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor as it completes, uncopied; ``metrics`` gets streamer's once all were read."""
+        with streamer.open(source, device=device, config=self.options.config) as handle:
+            yield from handle
+        metrics.update(handle.metrics)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        source = self._source(model_config)
+        device = target_device(model)
+        metrics: dict[str, Any] = {}
+        started = time.perf_counter()
+        # vLLM models define load_weights(Iterable[(name, tensor)]) -> set of loaded parameter names
+        loaded = cast(Any, model).load_weights(self.iterate_weights(source, device, metrics))
+        seconds = time.perf_counter() - started
+        nbytes = int(metrics.get("bytes", 0))
+        logger.info(
+            "Loading weights took %.2f seconds (streamer: %d bytes from %s to %s, %.2f GB/s)",
+            seconds,
+            nbytes,
+            source,
+            device,
+            nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+        )
+        check_all_loaded(model, loaded, quantized=model_config.quantization is not None)

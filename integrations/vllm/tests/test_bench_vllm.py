@@ -1,0 +1,44 @@
+"""``streamer-bench vllm`` end to end on the tiny model: table printed, JSON valid, cold verified."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM venv (scripts/setup_vllm.sh)")
+
+import tiny_model
+
+from streamer.bench import vllm_bench
+
+
+def test_bench_vllm_every_format(tmp_path: Path) -> None:
+    model = tiny_model.build(tmp_path / "tiny")
+    out = tmp_path / "vllm.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+    args = [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(model), "--repeat", "1"]
+    args += ["--in-process", "--streamer-config", '{"concurrency": 2}', "--json", str(out)]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    for fmt in ("safetensors", "runai_streamer", "streamer"):
+        assert fmt in table
+    assert "first token" in table and "vs streamer" in table
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, json.loads(vllm_bench.SCHEMA_PATH.read_text()))
+    assert [r["load_format"] for r in doc["results"]] == ["safetensors", "runai_streamer", "streamer"]
+    assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
+    assert doc["tokens_agree"] is True
+    for result in doc["results"]:
+        run = result["runs"][0]
+        assert run["resident_before_bytes"] == 0  # evicted and verified before the process started
+        assert 0 < run["import_s"] < run["ready_s"] <= run["first_token_s"]
+    by_format = {r["load_format"]: r for r in doc["results"]}
+    assert by_format["streamer"]["weights_from"] == "log"  # the plugin's "Loading weights took" line
+    assert by_format["streamer"]["ratio_vs_streamer"] == pytest.approx(1.0)

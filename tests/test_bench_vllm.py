@@ -1,0 +1,133 @@
+"""``streamer-bench vllm`` without vLLM: usage errors, log parsing, the table and the JSON schema.
+
+The end-to-end run against real vLLM is in ``integrations/vllm/tests/test_bench_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from streamer.bench import vllm_bench
+from streamer.bench.cli import main
+
+
+def _model(tmp_path: Path) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"\0" * 16)
+    return model
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--load-formats", "Safe Tensors"],
+        ["--load-formats", ","],
+        ["--repeat", "0"],
+        ["--gpu-memory-utilization", "1.5"],
+        ["--streamer-config", "[1]"],
+        ["--streamer-config", "{bad"],
+    ],
+)
+def test_bad_arguments_are_usage_errors(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["vllm", "--model", str(_model(tmp_path)), *extra])
+    assert caught.value.code == 2
+    assert "usage: streamer-bench vllm" in capsys.readouterr().err
+
+
+def test_model_must_be_a_model_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        main(["vllm", "--model", str(tmp_path / "nope")])
+    assert caught.value.code == 2
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as caught:
+        main(["vllm", "--model", str(tmp_path)])
+    assert caught.value.code == 2
+    assert "no *.safetensors" in capsys.readouterr().err
+
+
+def test_python_without_vllm_is_a_usage_error(tmp_path: Path) -> None:
+    """This suite's interpreter has no vLLM: the command says so and how to get it."""
+    if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0:
+        pytest.skip("vllm is importable here")
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(_model(tmp_path))],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "cannot import vllm" in proc.stderr and "pip install vllm" in proc.stderr
+
+
+LOG = """
+(Worker pid=1) INFO 11-23 04:23:47 [base_loader.py:82] Initializing model took 0.247581 seconds
+(Worker pid=1) INFO 11-23 04:23:47 [loader.py:101] Loading weights took 1.52 seconds (streamer: 5 bytes)
+(E pid=2) INFO 11-23 04:23:48 [core.py:402] init engine (profile, create kv cache, warmup model) took 0.20 s
+"""
+RUNAI_LOG = (
+    "Loading safetensors using Runai Model Streamer:   0% Completed | 0/21 [00:00<?, ?it/s]\r"
+    "Loading safetensors using Runai Model Streamer: 100% Completed | 21/21 [01:03<00:00, 4.1it/s]\n"
+)
+
+
+def test_parse_log() -> None:
+    assert vllm_bench.parse_log(LOG) == {
+        "weights_s": 1.52,
+        "weights_from": "log",
+        "init_model_s": pytest.approx(0.247581),
+        "init_engine_s": 0.2,
+    }
+    runai = vllm_bench.parse_log(RUNAI_LOG)
+    assert runai["weights_s"] == 63.0 and runai["weights_from"].startswith("runai progress bar")
+    assert vllm_bench.parse_log("nothing") == {}
+
+
+def _run(first: float, weights: float | None) -> dict[str, Any]:
+    run: dict[str, Any] = {
+        "repeat": 0,
+        "valid": True,
+        "error": None,
+        "resident_before_bytes": 0,
+        "import_s": 1.0,
+        "ready_s": first - 0.1,
+        "first_token_s": first,
+        "token_ids": [7],
+    }
+    if weights is not None:
+        run.update(weights_s=weights, weights_from="log")
+    return run
+
+
+def test_document_and_table_follow_the_schema(tmp_path: Path) -> None:
+    model = _model(tmp_path)
+    args = vllm_bench.build_parser().parse_args(["--model", str(model), "--repeat", "2"])
+    failed = {"repeat": 1, "valid": False, "error": "boom", "resident_before_bytes": 0}
+    runs = {
+        "safetensors": [_run(30.0, 9.0), _run(32.0, 11.0)],
+        "streamer": [_run(20.0, 2.0), _run(24.0, 3.0)],
+        "runai_streamer": [failed],
+    }
+    skipped = [{"load_format": "x", "reason": "r", "install": "pip install x"}]
+    doc = vllm_bench.document(args, ["--model", str(model)], [model / "model.safetensors"], {}, skipped, runs)
+    jsonschema.validate(doc, json.loads(vllm_bench.SCHEMA_PATH.read_text()))
+    by_format = {r["load_format"]: r for r in doc["results"]}
+    assert by_format["safetensors"]["median_first_token_s"] == 31.0
+    assert by_format["safetensors"]["ratio_vs_streamer"] == pytest.approx(31.0 / 22.0)
+    assert by_format["streamer"]["median_weights_s"] == 2.5
+    assert by_format["runai_streamer"]["status"] == "failed"
+    assert doc["tokens_agree"] is True
+    table = vllm_bench.render(doc)
+    assert "31.00 s" in table and "1.41x" in table and "failed" in table

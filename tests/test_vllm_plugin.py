@@ -1,0 +1,130 @@
+"""The vLLM plugin's vLLM-free parts: extra-config parsing, the weights location, the checks.
+
+The plugin against real vLLM is tested by ``integrations/vllm/tests`` in its own environment.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from streamer.errors import ConfigError, SourceError
+
+streamer_vllm = pytest.importorskip("streamer_vllm", reason="the plugin (integrations/vllm) is not installed")
+from streamer_vllm.checks import check_all_loaded, target_device  # noqa: E402
+from streamer_vllm.options import KEYS, parse_options, weights_source  # noqa: E402
+
+
+def test_no_keys_keeps_streamer_defaults() -> None:
+    options = parse_options({})
+    assert options.weights is None
+    assert options.config.concurrency == 8
+    assert options.config.memory_limit is None
+    assert parse_options(None) == options
+
+
+def test_every_key() -> None:
+    options = parse_options(
+        {"concurrency": 3, "block_size": "1MiB", "memory_limit": 64 << 20, "weights": "s3://bucket/llama/"}
+    )
+    assert options.config.concurrency == 3
+    assert options.config.block_size == 1 << 20
+    assert options.config.memory_limit == 64 << 20
+    assert options.weights == "s3://bucket/llama/"
+    assert parse_options({"memory_limit": None}).config.memory_limit is None
+
+
+def test_environment_defaults_apply_to_keys_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMER_CONCURRENCY", "5")
+    assert parse_options({"block_size": 4096}).config.concurrency == 5
+
+
+def test_unknown_key_lists_the_valid_ones() -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_options({"concurency": 4, "distributed": True})
+    message = str(caught.value)
+    assert "concurency" in message and "distributed" in message
+    for key in KEYS:
+        assert key in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ({"concurrency": "8"}, "concurrency must be an integer"),
+        ({"concurrency": True}, "concurrency must be an integer"),
+        ({"concurrency": 0}, "concurrency must be in 1..1024"),
+        ({"block_size": "lots"}, "cannot parse size"),
+        ({"block_size": 0}, "block_size must be positive"),
+        ({"memory_limit": 1.5}, "memory_limit must be a number of bytes"),
+        ({"weights": 3}, "weights must be a path"),
+        ({"weights": " "}, "weights must be a path"),
+    ],
+)
+def test_bad_values(extra: dict[str, object], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        parse_options(extra)
+
+
+def test_weights_source(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    assert weights_source(parse_options({}), str(model)) == str(model)
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    assert weights_source(parse_options({}), str(model)) == str(model / "model.safetensors.index.json")
+    elsewhere = tmp_path / "w.safetensors"
+    elsewhere.write_bytes(b"")
+    assert weights_source(parse_options({"weights": str(elsewhere)}), str(model)) == str(elsewhere)
+    uri = "s3://bucket/prefix/"
+    assert weights_source(parse_options({"weights": uri}), str(model)) == uri  # handed to streamer as is
+
+
+def test_weights_source_missing(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match=r"not a local path.*weights"):
+        weights_source(parse_options({}), "meta-llama/Llama-3-8B")
+    with pytest.raises(SourceError, match="weights"):
+        weights_source(parse_options({"weights": str(tmp_path / "nope")}), str(tmp_path))
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2, bias=False)
+
+
+def test_check_all_loaded() -> None:
+    model = _Tiny()
+    check_all_loaded(model, {"a.weight", "a.bias", "b.weight"}, quantized=False)
+    check_all_loaded(model, None, quantized=False)  # the model does not report: nothing to check
+    check_all_loaded(model, set(), quantized=True)  # quantized parameters need not be in checkpoints
+    with pytest.raises(ValueError, match=r"2 parameter\(s\) were not initialized.*a\.bias, b\.weight"):
+        check_all_loaded(model, {"a.weight"}, quantized=False)
+
+
+def test_check_all_loaded_shortens_long_lists() -> None:
+    model = nn.Sequential(*[nn.Linear(1, 1, bias=False) for _ in range(30)])
+    with pytest.raises(ValueError, match=r"30 parameter.*and 10 more"):
+        check_all_loaded(model, set(), quantized=False)
+
+
+def test_target_device_on_cpu() -> None:
+    assert target_device(_Tiny()) == "cpu"
+    assert target_device(nn.Module()) == "cpu"
+    with torch.device("meta"):
+        assert target_device(_Tiny()) == "cpu"
+
+
+def test_entry_point_and_lazy_imports() -> None:
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [p for p in points if p.value == "streamer_vllm:register"]
+    assert ours and ours[0].name == "streamer"
+    assert "vllm" not in sys.modules  # importing the plugin package imports no vLLM
+    requires = importlib.metadata.requires("streamer-vllm") or []
+    assert not [r for r in requires if r.split()[0].lower().startswith("vllm")]
