@@ -23,6 +23,7 @@ class LoadMetrics:
     memory_wait_seconds: float = 0.0
     alloc_seconds: float = 0.0
     peak_buffer_bytes: int = 0
+    buffers_reused: int = 0  # CPU loads: segments read into a buffer whose views had all died
     ring_alloc_seconds: float = 0.0  # staged loads: allocating (pinning) the host ring
     copy_wait_seconds: float = 0.0  # staged loads: consumer blocked on copies with no read in flight
     ring_stalls: int = 0  # staged loads: times a read could not start because every slot was busy
@@ -81,6 +82,7 @@ class LoadMetrics:
             "memory_wait_s": self.memory_wait_seconds,
             "alloc_s": self.alloc_seconds,
             "peak_buffer_bytes": self.peak_buffer_bytes,
+            "buffers_reused": self.buffers_reused,
             "ring_alloc_s": self.ring_alloc_seconds,
             "copy_wait_s": self.copy_wait_seconds,
             "ring_stalls": self.ring_stalls,

@@ -19,7 +19,7 @@ import torch
 
 from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
-from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
+from streamer.destinations.cpu import BufferPool, MemoryBudget, empty_tensor, tensor_view
 from streamer.engine import native
 from streamer.errors import ReadError, SourceError, StreamerError
 from streamer.metrics import LoadMetrics
@@ -46,8 +46,11 @@ class LoadRun:
         self._unit_refs = selection.with_bytes()
         self._units = [native.Unit(engine_file[r.file], r.entry.begin, r.entry.end) for r in self._unit_refs]
         self._named_units = [(u, r.entry.name) for u, r in zip(self._units, self._unit_refs, strict=True)]
+        # A segment's buffer is its tensors' span rounded out to the alignment at both ends: with
+        # spans of at most a quarter of the limit less that rounding, four buffers fit the limit.
+        slack = 2 * DIRECT_IO_ALIGNMENT
         segment_bytes = (
-            None if config.memory_limit is None else max(config.block_size, config.memory_limit // 4)
+            None if config.memory_limit is None else max(config.block_size, config.memory_limit // 4 - slack)
         )
         self._segments = plan_segments(
             self._units,
@@ -60,6 +63,13 @@ class LoadRun:
             for unit in range(segment.first_unit, segment.last_unit + 1):
                 self._segment_of_unit[unit] = index
         self._budget = MemoryBudget(config.memory_limit)
+        self._pool = BufferPool(self._budget, hugepages=config.hugepages)
+        # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
+        self._common_capacity = (
+            0
+            if segment_bytes is None
+            else max((s.size for s in self._segments if s.size <= segment_bytes + slack), default=0)
+        )
         self._engine: native.Engine | None = None
         self._buffers: dict[int, torch.Tensor] = {}
         self._undelivered: dict[int, int] = {}
@@ -79,8 +89,10 @@ class LoadRun:
         if engine is not None:
             self.metrics.add_engine_stats(engine.stats())
             engine.close()
+            self.metrics.buffers_reused = self._pool.reused
             self.metrics.finish(self._budget.peak)
         self._buffers.clear()
+        self._pool.close()
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.metrics.start()
@@ -140,7 +152,8 @@ class LoadRun:
             index = self._next_segment
             segment = self._segments[index]
             alone = not self._buffers and self._waiting == 0
-            if not self._budget.try_reserve(segment.size, force=alone):
+            buffer = self._pool.take(segment.size) or self._new_buffer(segment, force=alone)
+            if buffer is None:
                 return False
             if alone and self._budget.over_limit and not self._warned_over_limit:
                 self._warned_over_limit = True
@@ -151,22 +164,29 @@ class LoadRun:
                     RuntimeWarning,
                     stacklevel=4,
                 )
-            self._queue_segment(index, segment)
+            self._queue_segment(index, segment, buffer)
             self._next_segment += 1
         return True
 
-    def _queue_segment(self, index: int, segment: Segment) -> None:
-        assert self._engine is not None
+    def _new_buffer(self, segment: Segment, *, force: bool) -> tuple[torch.Tensor, int] | None:
+        """Fresh memory for ``segment`` if the budget allows (after unmapping idle buffers), else None."""
+        capacity = max(segment.size, self._common_capacity)
+        if not self._budget.try_reserve(capacity, force=force) and not (
+            self._pool.drop_idle() and self._budget.try_reserve(capacity, force=force)
+        ):
+            return None
         allocated = time.perf_counter()
         try:
-            buffer, base = allocate_buffer(
-                segment.size, hugepages=self._config.hugepages, budget=self._budget
-            )
+            buffer = self._pool.allocate(capacity)
         except MemoryError:
-            self._budget.release(segment.size)
+            self._budget.release(capacity)
             raise
         self.metrics.add_alloc(time.perf_counter() - allocated)
-        self._buffers[index] = buffer
+        return buffer
+
+    def _queue_segment(self, index: int, segment: Segment, buffer: tuple[torch.Tensor, int]) -> None:
+        assert self._engine is not None
+        self._buffers[index], base = buffer
         self._undelivered[index] = segment.last_unit - segment.first_unit + 1
         self._in_flight += segment.last_unit - segment.first_unit + 1
         try:

@@ -186,6 +186,29 @@ def test_buffers_stay_under_the_limit_when_the_consumer_drops_tensors(tmp_path: 
         assert over == []
 
 
+def test_buffers_are_reused_only_once_no_tensor_views_them(tmp_path: Path) -> None:
+    """Under a limit, a buffer whose tensors were all dropped is read into again (no page faults);
+    one still viewed by a kept tensor is not: every kept tensor still holds its own bytes at the end."""
+    g = torch.Generator().manual_seed(16)
+    tensors = {f"t{i:02d}": random_tensor((256 * KiB,), torch.float32, g) for i in range(40)}  # 40 MiB
+    written = write_checkpoint(tmp_path, tensors, shards=2)
+    keep = {"t00", "t21"}  # pin two of the four segments the limit allows
+    for concurrency in (1, 4):
+        cfg = config(concurrency=concurrency, block_size=MiB, memory_limit=16 * MiB, io_mode="buffered")
+        kept = {}
+        with streamer.open(written.index, config=cfg) as s:
+            for name, t in s:
+                assert_same(t, tensors[name], name)
+                if name in keep:
+                    kept[name] = t
+            metrics = s.metrics
+        assert metrics["buffers_reused"] > 0, metrics
+        assert metrics["peak_buffer_bytes"] <= 16 * MiB, metrics
+        assert set(kept) == keep
+        for name, t in kept.items():
+            assert_same(t, tensors[name], name)
+
+
 def test_limit_smaller_than_the_largest_tensor(tmp_path: Path) -> None:
     """The large tensor is read alone, over the limit, with a RuntimeWarning; data stays exact."""
     g = torch.Generator().manual_seed(14)

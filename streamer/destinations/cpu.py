@@ -1,16 +1,17 @@
 """CPU destination: process-owned buffers and zero-copy tensor views into them.
 
-Each buffer is a fresh anonymous mapping owned by a cffi object; the torch
-tensor built over it keeps that object alive, and every view keeps the tensor
-alive. So a buffer is unmapped (and its bytes returned to the memory budget)
-only when the last tensor viewing it is gone, and it is never reused: a
-tensor handed to a caller never changes under it.
+Each buffer is an anonymous mapping owned by a cffi object; the torch tensor
+built over it keeps that object alive, and every view keeps the tensor alive.
+So a buffer comes back (to its run's pool, or unmapped, its bytes returned to
+the memory budget) only when the last tensor viewing it is gone: a tensor
+handed to a caller never changes under it.
 """
 
 from __future__ import annotations
 
 import threading
 import warnings
+from typing import Any
 
 import torch
 
@@ -59,7 +60,79 @@ class MemoryBudget:
 
 def allocate_buffer(size: int, *, hugepages: bool, budget: MemoryBudget) -> tuple[torch.Tensor, int]:
     """A uint8 tensor over fresh memory already reserved in ``budget``, and its address."""
-    memory = native.allocate(size, hugepages, lambda: budget.release(size))
+    pointer = native.allocate(size, hugepages)
+
+    def release(pointer: Any) -> None:
+        native.free(pointer, size, hugepages)
+        budget.release(size)
+
+    return _tensor_over(native.own(pointer, size, release), size)
+
+
+class BufferPool:
+    """The buffers of one run, handed out again once no tensor views them.
+
+    A buffer whose last view died is idle: no caller can see its bytes any more, so the
+    next segment may be read into it. Memory that was touched before takes no page
+    faults, and first touch, not copying, is what a fresh buffer costs (about 3 GB/s
+    per thread against 12 GB/s for memcpy on the machines we measure). Idle buffers stay
+    reserved in the budget; ``drop_idle`` unmaps them when a reservation needs the room,
+    and after ``close`` every buffer is unmapped when its last view dies.
+    """
+
+    def __init__(self, budget: MemoryBudget, *, hugepages: bool) -> None:
+        self._budget = budget
+        self._hugepages = hugepages
+        self._idle: list[tuple[Any, int]] = []  # (pointer, capacity)
+        self._closed = False
+        self._lock = threading.RLock()  # released from finalizers, as MemoryBudget explains
+        self.reused = 0
+
+    def take(self, size: int) -> tuple[torch.Tensor, int] | None:
+        """An idle buffer of at least ``size`` bytes and its address, or None if there is none."""
+        with self._lock:
+            found = next((i for i, (_, capacity) in enumerate(self._idle) if capacity >= size), None)
+            if found is None:
+                return None
+            pointer, capacity = self._idle.pop(found)
+            self.reused += 1
+        return self._wrap(pointer, capacity)
+
+    def allocate(self, capacity: int) -> tuple[torch.Tensor, int]:
+        """A fresh buffer; its ``capacity`` bytes must already be reserved in the budget."""
+        return self._wrap(native.allocate(capacity, self._hugepages), capacity)
+
+    def drop_idle(self) -> bool:
+        """Unmaps the idle buffers, returning their bytes to the budget; False if there were none."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for pointer, capacity in idle:
+            self._unmap(pointer, capacity)
+        return bool(idle)
+
+    def close(self) -> None:
+        """Unmaps the idle buffers now and every other one when its last view dies."""
+        with self._lock:
+            self._closed = True
+        self.drop_idle()
+
+    def _wrap(self, pointer: Any, capacity: int) -> tuple[torch.Tensor, int]:
+        return _tensor_over(native.own(pointer, capacity, lambda p: self._released(p, capacity)), capacity)
+
+    def _released(self, pointer: Any, capacity: int) -> None:
+        with self._lock:
+            if not self._closed:
+                self._idle.append((pointer, capacity))
+                return
+        self._unmap(pointer, capacity)
+
+    def _unmap(self, pointer: Any, capacity: int) -> None:
+        native.free(pointer, capacity, self._hugepages)
+        self._budget.release(capacity)
+
+
+def _tensor_over(memory: Any, size: int) -> tuple[torch.Tensor, int]:
+    """A uint8 tensor over ``memory`` (keeping it alive) and its address."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns about buffers it cannot prove writable
         tensor = torch.frombuffer(native.as_buffer(memory, size), dtype=torch.uint8)

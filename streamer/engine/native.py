@@ -201,18 +201,21 @@ class Engine:
             self._lib.se_engine_destroy(handle)
 
 
-def allocate(size: int, hugepages: bool, on_free: Callable[[], None]) -> Any:
-    """Anonymous memory owned by the returned cdata: freed (then ``on_free()``) when it dies."""
-    lib = _lib()
-    huge = int(hugepages)
-    pointer = lib.se_alloc(size, huge)
+def allocate(size: int, hugepages: bool) -> Any:
+    """Anonymous memory that nothing owns yet: pass it to ``own``, or to ``free``."""
+    pointer = _lib().se_alloc(size, int(hugepages))
     if pointer == ffi.NULL:
         raise MemoryError(f"cannot allocate {size} bytes of host memory")
+    return pointer
 
-    def release(p: Any) -> None:
-        lib.se_free(p, size, huge)
-        on_free()
 
+def free(pointer: Any, size: int, hugepages: bool) -> None:
+    """Unmaps memory from ``allocate``; ``size`` and ``hugepages`` as given to it."""
+    _lib().se_free(pointer, size, int(hugepages))
+
+
+def own(pointer: Any, size: int, release: Callable[[Any], None]) -> Any:
+    """``pointer`` behind an owner that calls ``release(pointer)`` when it (and every buffer over it) dies."""
     return ffi.gc(pointer, release, size=size)
 
 
