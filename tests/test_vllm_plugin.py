@@ -18,15 +18,17 @@ from streamer.errors import ConfigError, SourceError
 
 streamer_vllm = pytest.importorskip("streamer_vllm", reason="the plugin (integrations/vllm) is not installed")
 from streamer_vllm.checks import check_all_loaded, target_device  # noqa: E402
-from streamer_vllm.options import KEYS, parse_options, weights_source  # noqa: E402
+from streamer_vllm.options import DEFAULT_MEMORY_LIMIT, KEYS, parse_options, weights_source  # noqa: E402
 
 
-def test_no_keys_keeps_streamer_defaults() -> None:
+def test_no_keys_keeps_streamer_defaults_but_bounds_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     options = parse_options({})
     assert options.weights is None
     assert options.config.concurrency == 8
-    assert options.config.memory_limit is None
+    assert options.config.memory_limit == DEFAULT_MEMORY_LIMIT
     assert parse_options(None) == options
+    monkeypatch.setenv("STREAMER_MEMORY_LIMIT", "64MiB")
+    assert parse_options({}).config.memory_limit == 64 << 20
 
 
 def test_every_key() -> None:
