@@ -75,7 +75,7 @@ class Streamer:
         self.device = parse_device(device)
         self.config = config if config is not None else StreamerConfig()
         self._order = order
-        self._checkpoint = open_checkpoint(source)
+        self._checkpoint = open_checkpoint(source, self.config.s3)
         self._run: Run | None = None  # the last read, for metrics
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
@@ -227,7 +227,7 @@ def load_into(
     copies, and an error can leave some tensors loaded and others not.
     """
     config = config if config is not None else StreamerConfig()
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checkpoint(source, config.s3)
     missing = [name for name in dest if name not in checkpoint.tensors]
     unexpected = [name for name in checkpoint.tensors if name not in dest]
     if strict and missing:

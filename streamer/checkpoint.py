@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from streamer.backends.s3 import ObjectInfo
+from streamer.config import S3Config
 from streamer.errors import SourceError
 from streamer.format.safetensors import FileHeader, TensorEntry, read_header
 from streamer.sources import ResolvedSource, SourceLike, resolve
+from streamer.sources.s3 import open_s3, split_sources
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,11 @@ class TensorRef:
 class Checkpoint:
     headers: tuple[FileHeader, ...]
     tensors: dict[str, TensorRef]  # in checkpoint order: file order, then offset order
+    objects: tuple[ObjectInfo | None, ...] = ()  # per file: the S3 object it is, None for a local file
+    s3_config: S3Config | None = None  # how its S3 objects are read
+
+    def object_of(self, file: int) -> ObjectInfo | None:
+        return self.objects[file] if self.objects else None
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -45,10 +53,16 @@ class Checkpoint:
         return iter(self.tensors.values())
 
 
-def open_checkpoint(source: SourceLike) -> Checkpoint:
+def open_checkpoint(source: SourceLike, s3_config: S3Config | None = None) -> Checkpoint:
     """Resolves the source and parses every header; no tensor data is read."""
-    resolved = resolve(source)
-    headers = tuple(read_header(path) for path in resolved.paths)
+    uris = split_sources(source)
+    objects: tuple[ObjectInfo | None, ...] = ()
+    if uris is not None:
+        s3_config = s3_config if s3_config is not None else S3Config()
+        resolved, headers, objects = open_s3(uris, s3_config)
+    else:
+        resolved = resolve(source)
+        headers = tuple(read_header(path) for path in resolved.paths)
     tensors: dict[str, TensorRef] = {}
     for index, header in enumerate(headers):
         for entry in header.tensors:
@@ -61,7 +75,7 @@ def open_checkpoint(source: SourceLike) -> Checkpoint:
                 )
             tensors[entry.name] = TensorRef(index, entry)
     _check_weight_map(resolved, headers, tensors)
-    return Checkpoint(headers=headers, tensors=tensors)
+    return Checkpoint(headers=headers, tensors=tensors, objects=objects, s3_config=s3_config)
 
 
 def _check_weight_map(

@@ -261,6 +261,11 @@ def as_buffer(memory: Any, size: int) -> Any:
     return ffi.buffer(memory, size)
 
 
+def writable_view(address: int, size: int) -> memoryview:
+    """A writable view of ``size`` bytes at ``address``; the caller keeps the memory alive."""
+    return memoryview(ffi.buffer(ffi.cast("char *", address), size))
+
+
 def address(memory: Any) -> int:
     return int(ffi.cast("uintptr_t", memory))
 
