@@ -24,12 +24,14 @@ import asyncio
 import functools
 import logging
 import random
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from streamer.backends.http import Connection, HttpFailure, Target, ssl_context
 from streamer.config import S3Config
 from streamer.engine import native
 from streamer.errors import S3Error, S3SourceError, SourceError
@@ -50,6 +52,7 @@ _RETRYABLE_CODES = frozenset(
         "ServiceUnavailable",
     }
 )
+_PRESIGN_SECONDS = 3600
 _GONE_CODES = frozenset(
     {"NoSuchKey", "NoSuchBucket", "AccessDenied", "NotFound", "Forbidden", "NoCredentials"}
 )
@@ -101,38 +104,49 @@ class _Fatal(Exception):
         self.reason, self.status, self.code = reason, status, code
 
 
+def _classify_status(status: int | None, code: str | None) -> _Retry | _Fatal:
+    if status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES or (status or 0) >= 500:
+        return _Retry("the server asked to retry", status, code)
+    if status == 412 or code == "PreconditionFailed":
+        return _Fatal("the object changed during the load (its ETag no longer matches)", status, code)
+    if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
+        what = "bucket" if code == "NoSuchBucket" else "object"
+        return _Fatal(f"no such {what}", status, code)
+    if status == 403 or code in ("AccessDenied", "Forbidden"):
+        return _Fatal("access denied", status, code)
+    if status is not None and 200 <= status < 300:
+        return _Retry("an unusable response (no Content-Length, or not the range asked for)", status, code)
+    return _Fatal("request refused", status, code)
+
+
 def _classify(exc: Exception) -> _Retry | _Fatal:
+    import ssl
+
     import aiohttp
     import botocore.exceptions as be
 
     if isinstance(exc, (_Retry, _Fatal)):
         return exc
+    if isinstance(exc, HttpFailure):
+        return _classify_status(exc.status, exc.code)
     if isinstance(exc, be.ClientError):
         response: Mapping[str, Any] = exc.response
-        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        code = response.get("Error", {}).get("Code")
-        if status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES or (status or 0) >= 500:
-            return _Retry("the server asked to retry", status, code)
-        if status == 412 or code == "PreconditionFailed":
-            return _Fatal("the object changed during the load (its ETag no longer matches)", status, code)
-        if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
-            what = "bucket" if code == "NoSuchBucket" else "object"
-            return _Fatal(f"no such {what}", status, code)
-        if status == 403 or code in ("AccessDenied", "Forbidden"):
-            return _Fatal("access denied", status, code)
-        return _Fatal("request refused", status, code)
+        return _classify_status(
+            response.get("ResponseMetadata", {}).get("HTTPStatusCode"), response.get("Error", {}).get("Code")
+        )
     if isinstance(exc, (be.NoCredentialsError, be.PartialCredentialsError)):
         return _Fatal(
             "no usable credentials (set them, or use anonymous access for public buckets)",
             None,
             "NoCredentials",
         )
+    if isinstance(exc, (be.SSLError, ssl.SSLCertVerificationError)):
         return _Fatal(f"TLS failure: {type(exc).__name__}")
     if isinstance(exc, (be.HTTPClientError, be.ConnectionError, be.IncompleteReadError)):
         return _Retry(f"connection failure: {type(exc).__name__}")
     if isinstance(exc, be.BotoCoreError):
         return _Fatal(f"{type(exc).__name__}: {exc}")
-    if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, OSError)):
+    if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
         return _Retry(f"connection failure: {type(exc).__name__}")
     return _Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
 
@@ -228,6 +242,10 @@ class S3Client:
         self._thread.start()
         self._context: Any = None
         self._client: Any = None
+        self._targets: dict[S3Uri, tuple[Target, float]] = {}
+        self._ssl = (
+            ssl_context(config.ca_bundle, config.verify) if config.verify else ssl_context(None, False)
+        )
         self._secrets = [
             secret
             for secret in (config.access_key_id, config.secret_access_key, config.session_token)
@@ -270,8 +288,8 @@ class S3Client:
             "request_checksum_calculation": "when_required",
             "response_checksum_validation": "when_required",
         }
-        if c.anonymous:
-            options["signature_version"] = UNSIGNED
+        # SigV4 (S3's default for requests) also for the presigned URLs of the data path
+        options["signature_version"] = UNSIGNED if c.anonymous else "s3v4"
         credentials: dict[str, Any] = {}
         if c.access_key_id is not None and not c.anonymous:
             credentials = {
@@ -449,6 +467,51 @@ class S3Client:
 
         await self.retrying(uri, (begin, end), once, source_errors=source_errors)
 
+    def connection(self) -> Connection:
+        """A connection for ``fetch_into`` (one per worker; the caller closes it)."""
+        c = self.config
+        return Connection(lambda: self._ssl_context, c.connect_timeout, c.read_timeout)
+
+    @functools.cached_property
+    def _ssl_context(self) -> ssl.SSLContext:
+        return ssl_context(self.config.ca_bundle, self.config.verify)
+
+    async def _target(self, uri: S3Uri) -> Target:
+        """The object's presigned GET URL, re-signed when half of its validity has passed."""
+        now = time.monotonic()
+        cached = self._targets.get(uri)
+        if cached is None or now - cached[1] > _PRESIGN_SECONDS / 2:
+            url = await self._client.generate_presigned_url(
+                "get_object", Params={"Bucket": uri.bucket, "Key": uri.key}, ExpiresIn=_PRESIGN_SECONDS
+            )
+            cached = (Target.parse(url), now)
+            self._targets[uri] = cached
+        return cached[0]
+
+    async def fetch_into(
+        self, connection: Connection, info: ObjectInfo, begin: int, end: int, view: memoryview
+    ) -> None:
+        """``read_into`` on the fast path: the body is received straight into ``view``."""
+        uri = info.uri
+        done = 0
+        headers = {"If-Match": info.etag} if info.etag else {}
+
+        async def once() -> None:
+            nonlocal done
+            target = await self._target(uri)
+            self.requests += 1
+            try:
+                await connection.get(target, begin + done, view[done:], headers)
+            finally:
+                done += connection.received
+                self.bytes_fetched += connection.received
+            etag = connection.headers.get("etag")
+            span = _content_range({"ContentRange": connection.headers.get("content-range")})
+            if (info.etag and etag and etag != info.etag) or (span is not None and span[2] != info.size):
+                raise _Fatal("the object changed during the load (its ETag or size is not the header's)")
+
+        await self.retrying(uri, (begin, end), once)
+
     async def get_object(self, uri: S3Uri) -> bytes:
         """A whole (small) object, e.g. an index file."""
         data, info = await self.get_start(uri, 1 << 20)
@@ -512,6 +575,13 @@ class S3Feeder:
             self._queue.put_nowait(block)
 
     async def _work(self) -> None:
+        connection = self._client.connection()
+        try:
+            await self._work_on(connection)
+        finally:
+            connection.close()
+
+    async def _work_on(self, connection: Connection) -> None:
         assert self._queue is not None
         queue = self._queue
         while True:
@@ -523,7 +593,7 @@ class S3Feeder:
             begin, end = block.acc_begin, block.acc_end
             view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
             try:
-                await self._client.read_into(info, begin, end, view)
+                await self._client.fetch_into(connection, info, begin, end, view)
             except S3Error as error:
                 self._fail(error, block)
                 continue
