@@ -218,7 +218,9 @@ def start_engine(
             if engine_index != index:
                 raise StreamerError(f"engine numbered file {engine_index}, expected {index}", path=path)
         if remote:
-            reader.attach_s3(checkpoint.s3_config or config.s3, remote)
+            if checkpoint.s3 is None:
+                raise StreamerError("an S3 checkpoint without its client")  # a bug, not user input
+            reader.attach_s3(checkpoint.s3.get(), remote)
             metrics.s3_files = len(remote)
     except BaseException:
         reader.close()

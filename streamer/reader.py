@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from streamer.backends.s3 import ObjectInfo, S3Client, S3Feeder
-from streamer.config import S3Config
 from streamer.engine import native
 
 
@@ -23,11 +22,14 @@ class Reader:
         self._client: S3Client | None = None
         self._feeder: S3Feeder | None = None
         self._remote: frozenset[int] = frozenset()
+        self._counted = (0, 0, 0)
 
-    def attach_s3(self, config: S3Config, objects: Mapping[int, ObjectInfo]) -> None:
-        """Serves the blocks of engine files ``objects`` (registered as external files) from S3."""
-        self._client = S3Client(config)
-        self._feeder = S3Feeder(self._client, self._engine, objects)
+    def attach_s3(self, client: S3Client, objects: Mapping[int, ObjectInfo]) -> None:
+        """Serves the blocks of engine files ``objects`` (registered as external files) from S3
+        with ``client`` (shared with the checkpoint, which closes it)."""
+        self._client = client
+        self._counted = (client.requests, client.retries, client.bytes_fetched)
+        self._feeder = S3Feeder(client, self._engine, objects)
         self._remote = frozenset(objects)
 
     def add_file(self, path: str, want_direct: bool) -> tuple[int, bool]:
@@ -59,10 +61,10 @@ class Reader:
 
     def stats(self) -> dict[str, float]:
         stats = self._engine.stats()
-        if self._client is not None:
-            stats["requests"] = self._client.requests
-            stats["retries"] = self._client.retries
-            stats["bytes_fetched"] = self._client.bytes_fetched
+        if self._client is not None:  # this run's share of the shared client's counters
+            stats["requests"] = self._client.requests - self._counted[0]
+            stats["retries"] = self._client.retries - self._counted[1]
+            stats["bytes_fetched"] = self._client.bytes_fetched - self._counted[2]
         return stats
 
     def cancel(self) -> None:
@@ -71,13 +73,8 @@ class Reader:
     def close(self) -> None:
         """Stops S3 requests first (they write into buffers the run owns), then the engine. Idempotent."""
         feeder, self._feeder = self._feeder, None
-        client, self._client = self._client, None
         try:
             if feeder is not None:
                 feeder.close()
         finally:
-            try:
-                if client is not None:
-                    client.close()
-            finally:
-                self._engine.close()
+            self._engine.close()

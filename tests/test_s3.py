@@ -290,7 +290,8 @@ def no_leaks(single: Written, server: str) -> Iterator[None]:
     deadline = time.monotonic() + 5  # moto's own handler threads finish their last response
     while (thread_count(), fd_count()) != (threads, fds) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert thread_count() == threads, "threads leaked"
+    names = sorted(t.name for t in threading.enumerate())
+    assert thread_count() == threads, f"threads leaked: {thread_count() - threads}; now {names}"
     assert fd_count() == fds, f"descriptors leaked: {sorted(set(open_files()) ^ set(files))}"
     assert not [t for t in threading.enumerate() if t.name == "streamer-s3"]
 
@@ -371,8 +372,9 @@ def test_object_replaced_during_the_load_is_an_error(
 
 
 def test_early_exit_and_failure_leave_nothing_behind(
-    server: str, every_dtype: Written, proxy: FaultProxy, no_leaks: None
+    server: str, every_dtype: Written, no_leaks: None, proxy: FaultProxy
 ) -> None:
+    """(no_leaks before proxy: its check runs after the proxy has joined its handler threads)"""
     with streamer.open(f"s3://{BUCKET}/dtypes/", config=cfg(server)) as handle:
         for _ in handle:
             break

@@ -220,6 +220,23 @@ class _Redactor(logging.Filter):
 _REDACTOR = _Redactor()
 
 
+async def _cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancels the tasks and waits until every one has ended.
+
+    Cancelling again until they are gone: on Python < 3.12, ``asyncio.wait_for`` can swallow a
+    cancellation that arrives as its inner future completes, and the task would then go on to
+    wait on the block queue for ever.
+    """
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.05)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" at shutdown
+
+
 @functools.cache
 def _data_loader() -> Any:
     """botocore's loader of service models and endpoints, shared by every session (it only caches
@@ -323,10 +340,7 @@ class S3Client:
 
     async def _shutdown(self) -> None:
         current = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not current]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all([t for t in asyncio.all_tasks() if t is not current])
         context, self._context, self._client = self._context, None, None
         if context is not None:
             await context.__aexit__(None, None, None)
@@ -541,6 +555,28 @@ class S3Client:
                 return sorted(keys)
 
 
+class ClientHolder:
+    """The S3 client of one opened checkpoint: made on first use, reused by its runs, closed with
+    the checkpoint (and made again if a closed checkpoint is read once more)."""
+
+    def __init__(self, config: S3Config) -> None:
+        self.config = config
+        self._client: S3Client | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> S3Client:
+        with self._lock:
+            if self._client is None or self._client.loop.is_closed():
+                self._client = S3Client(self.config)
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
 class S3Feeder:
     """Fetches the blocks of S3 files for one run and credits them to ``engine``.
 
@@ -629,6 +665,4 @@ class S3Feeder:
 
     async def _stop(self) -> None:
         workers, self._workers = self._workers, []
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
+        await _cancel_all(workers)
