@@ -1,12 +1,14 @@
 """streamer: load safetensors checkpoints from storage into memory at the speed of the hardware."""
 
 from streamer.api import IncompatibleKeys, Streamer, load, load_file, load_into, open
-from streamer.config import StreamerConfig
+from streamer.config import S3Config, StreamerConfig
 from streamer.errors import (
     ConfigError,
     DeviceError,
     HeaderError,
     ReadError,
+    S3Error,
+    S3SourceError,
     SourceError,
     StreamerError,
 )
@@ -19,6 +21,9 @@ __all__ = [
     "HeaderError",
     "IncompatibleKeys",
     "ReadError",
+    "S3Config",
+    "S3Error",
+    "S3SourceError",
     "SourceError",
     "Streamer",
     "StreamerConfig",

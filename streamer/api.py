@@ -75,7 +75,10 @@ class Streamer:
         self.device = parse_device(device)
         self.config = config if config is not None else StreamerConfig()
         self._order = order
-        self._checkpoint = open_checkpoint(source)
+        self._checkpoint = open_checkpoint(source, self.config.s3)
+        # An S3 checkpoint holds a client (a thread, a loop, sockets): closed by close(), or
+        # when the handle is collected without it.
+        weakref.finalize(self, self._checkpoint.close)
         self._run: Run | None = None  # the last read, for metrics
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
@@ -162,6 +165,7 @@ class Streamer:
         """Stops a pass in progress and releases its threads, files, buffers and host ring."""
         self._stop()
         self._rings.clear()
+        self._checkpoint.close()
 
     def __enter__(self) -> Streamer:
         return self
@@ -231,7 +235,16 @@ def load_into(
     copies, and an error can leave some tensors loaded and others not.
     """
     config = config if config is not None else StreamerConfig()
-    checkpoint = open_checkpoint(source)
+    checkpoint = open_checkpoint(source, config.s3)
+    try:
+        return _load_into(dest, checkpoint, config, strict)
+    finally:
+        checkpoint.close()
+
+
+def _load_into(
+    dest: Mapping[str, torch.Tensor], checkpoint: Checkpoint, config: StreamerConfig, strict: bool
+) -> IncompatibleKeys:
     missing = [name for name in dest if name not in checkpoint.tensors]
     unexpected = [name for name in checkpoint.tensors if name not in dest]
     if strict and missing:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from streamer.backends.s3 import ClientHolder, ObjectInfo
+from streamer.config import S3Config
 from streamer.errors import SourceError
 from streamer.format.safetensors import FileHeader, TensorEntry, read_header
 from streamer.sources import ResolvedSource, SourceLike, resolve
+from streamer.sources.s3 import open_s3, split_sources
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,16 @@ class TensorRef:
 class Checkpoint:
     headers: tuple[FileHeader, ...]
     tensors: dict[str, TensorRef]  # in checkpoint order: file order, then offset order
+    objects: tuple[ObjectInfo | None, ...] = ()  # per file: the S3 object it is, None for a local file
+    s3: ClientHolder | None = field(default=None, compare=False)  # the client its S3 runs share
+
+    def object_of(self, file: int) -> ObjectInfo | None:
+        return self.objects[file] if self.objects else None
+
+    def close(self) -> None:
+        """Closes the S3 client (thread, loop, connections) if there is one; reading again reopens it."""
+        if self.s3 is not None:
+            self.s3.close()
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -45,10 +58,30 @@ class Checkpoint:
         return iter(self.tensors.values())
 
 
-def open_checkpoint(source: SourceLike) -> Checkpoint:
+def open_checkpoint(source: SourceLike, s3_config: S3Config | None = None) -> Checkpoint:
     """Resolves the source and parses every header; no tensor data is read."""
-    resolved = resolve(source)
-    headers = tuple(read_header(path) for path in resolved.paths)
+    uris = split_sources(source)
+    objects: tuple[ObjectInfo | None, ...] = ()
+    holder: ClientHolder | None = None
+    if uris is not None:
+        resolved, headers, objects, holder = open_s3(uris, s3_config if s3_config is not None else S3Config())
+        try:
+            return _checkpoint(resolved, headers, objects, holder)
+        except BaseException:
+            holder.close()
+            raise
+    else:
+        resolved = resolve(source)
+        headers = tuple(read_header(path) for path in resolved.paths)
+    return _checkpoint(resolved, headers, objects, holder)
+
+
+def _checkpoint(
+    resolved: ResolvedSource,
+    headers: tuple[FileHeader, ...],
+    objects: tuple[ObjectInfo | None, ...],
+    holder: ClientHolder | None,
+) -> Checkpoint:
     tensors: dict[str, TensorRef] = {}
     for index, header in enumerate(headers):
         for entry in header.tensors:
@@ -61,7 +94,7 @@ def open_checkpoint(source: SourceLike) -> Checkpoint:
                 )
             tensors[entry.name] = TensorRef(index, entry)
     _check_weight_map(resolved, headers, tensors)
-    return Checkpoint(headers=headers, tensors=tensors)
+    return Checkpoint(headers=headers, tensors=tensors, objects=objects, s3=holder)
 
 
 def _check_weight_map(

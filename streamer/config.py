@@ -58,11 +58,117 @@ def _env_io_mode() -> IoMode:
     raise ConfigError(f"STREAMER_IO_MODE={raw!r}: expected one of {', '.join(IO_MODES)}")
 
 
+def _env_str(*names: str) -> str | None:
+    """The first of ``names`` set to a non-empty value."""
+    for name in names:
+        raw = os.environ.get(name)
+        if raw is not None and raw.strip():
+            return raw.strip()
+    return None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+
+
+def _env_flag(name: str) -> bool:
+    raw = (os.environ.get(name) or "").strip().lower()
+    return raw not in ("", "0", "false", "no", "off")
+
+
+AddressingStyle = Literal["auto", "path", "virtual"]
+ADDRESSING_STYLES: tuple[AddressingStyle, ...] = ("auto", "path", "virtual")
+
+
+def _env_addressing() -> AddressingStyle:
+    raw = (os.environ.get("STREAMER_S3_ADDRESSING_STYLE") or "auto").strip().lower()
+    for style in ADDRESSING_STYLES:
+        if raw == style:
+            return style
+    raise ConfigError(f"STREAMER_S3_ADDRESSING_STYLE={raw!r}: expected one of {', '.join(ADDRESSING_STYLES)}")
+
+
+_MASK = "***"
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """How S3 sources are read. Unset credentials use boto3's standard chain (environment, shared
+    profile, web identity, instance role); explicit ones are never shown by ``repr``.
+
+    concurrency: ranged GETs in flight at once (one connection each).
+    endpoint_url: an S3-compatible endpoint (MinIO, Ceph, ...); default ``AWS_ENDPOINT_URL_S3``
+        or ``AWS_ENDPOINT_URL``, else AWS.
+    addressing_style: ``path`` (``host/bucket/key``), ``virtual`` (``bucket.host/key``) or ``auto``.
+    anonymous: unsigned requests (public buckets); no credentials are looked up.
+    ca_bundle: a CA bundle for TLS (default ``AWS_CA_BUNDLE``, else botocore's); ``verify=False``
+        turns certificate checks off.
+    max_attempts: tries per request, the first included; throttling (503 SlowDown, 429), other 5xx,
+        connection resets, timeouts and short bodies are retried for the missing bytes only,
+        with exponential backoff and full jitter.
+    retry_deadline: seconds after a request's first try after which no further try starts.
+    header_bytes: bytes fetched speculatively from the start of each file to read its header
+        (a second request only when the header is longer).
+    """
+
+    concurrency: int = field(default_factory=lambda: _env_int("STREAMER_S3_CONCURRENCY", 64))
+    endpoint_url: str | None = field(
+        default_factory=lambda: _env_str("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+    )
+    region: str | None = field(default_factory=lambda: _env_str("AWS_REGION", "AWS_DEFAULT_REGION"))
+    addressing_style: AddressingStyle = field(default_factory=_env_addressing)
+    anonymous: bool = field(default_factory=lambda: _env_flag("STREAMER_S3_ANONYMOUS"))
+    profile: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    ca_bundle: str | None = field(default_factory=lambda: _env_str("AWS_CA_BUNDLE"))
+    verify: bool = True
+    max_attempts: int = field(default_factory=lambda: _env_int("STREAMER_S3_MAX_ATTEMPTS", 8))
+    retry_deadline: float = field(default_factory=lambda: _env_float("STREAMER_S3_RETRY_DEADLINE", 120.0))
+    connect_timeout: float = field(default_factory=lambda: _env_float("STREAMER_S3_CONNECT_TIMEOUT", 10.0))
+    read_timeout: float = field(default_factory=lambda: _env_float("STREAMER_S3_READ_TIMEOUT", 30.0))
+    backoff_base: float = 0.1
+    backoff_max: float = 5.0
+    header_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.concurrency <= 1024:
+            raise ConfigError(f"s3 concurrency must be in 1..1024, got {self.concurrency}")
+        if self.addressing_style not in ADDRESSING_STYLES:
+            styles = ", ".join(ADDRESSING_STYLES)
+            raise ConfigError(f"addressing_style must be one of {styles}, got {self.addressing_style!r}")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ConfigError("give both access_key_id and secret_access_key, or neither")
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        for name in ("retry_deadline", "connect_timeout", "read_timeout", "backoff_base", "backoff_max"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.header_bytes < 16:
+            raise ConfigError(f"header_bytes must be at least 16, got {self.header_bytes}")
+
+    def __repr__(self) -> str:
+        shown = []
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name in ("access_key_id", "secret_access_key", "session_token"):
+                value = None if value is None else _MASK
+            shown.append(f"{name}={value!r}")
+        return f"S3Config({', '.join(shown)})"
+
+
 @dataclass(frozen=True)
 class StreamerConfig:
     """How a load runs.
 
-    concurrency: reader threads (local) or in-flight requests (S3).
+    concurrency: reader threads for local files (S3: ``s3.concurrency`` requests in flight).
     block_size: bytes per read; tensors are cut into, or grouped by, blocks of this size.
     memory_limit: cap on host bytes held by a streaming load (in flight, undelivered and
         still referenced by the consumer); ``None`` means unbounded. ``load()`` keeps every
@@ -83,6 +189,7 @@ class StreamerConfig:
     memory_limit: int | None = field(default_factory=lambda: _env_size("STREAMER_MEMORY_LIMIT", None))
     io_mode: IoMode = field(default_factory=_env_io_mode)
     hugepages: bool = field(default_factory=lambda: _env_int("STREAMER_HUGEPAGES", 0) != 0)
+    s3: S3Config = field(default_factory=S3Config)
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 1024:

@@ -54,3 +54,46 @@ class ReadError(StreamerError):
 
 class DeviceError(StreamerError):
     """The requested destination device is unknown or unavailable."""
+
+
+class S3Error(ReadError):
+    """An S3 request failed for good: after its retries, or at once for a permanent error
+    (403, 404, a changed object). Names the object, the byte range, the HTTP status and the tries;
+    never a credential."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        bucket: str,
+        key: str,
+        byte_range: tuple[int, int] | None = None,
+        status: int | None = None,
+        code: str | None = None,
+        attempts: int = 1,
+        tensor: str | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.key = key
+        self.byte_range = byte_range  # [begin, end) of the object
+        self.status = status
+        self.code = code
+        self.attempts = attempts
+        details = []
+        if byte_range is not None:
+            details.append(f"bytes {byte_range[0]}-{byte_range[1] - 1}")
+        if status is not None:
+            details.append(f"HTTP {status}" + (f" {code}" if code and code != str(status) else ""))
+        elif code:
+            details.append(code)
+        details.append(f"{attempts} attempt{'s' if attempts != 1 else ''}")
+        super().__init__(
+            f"{message} [{', '.join(details)}]",
+            path=f"s3://{bucket}/{key}",
+            tensor=tensor,
+            offset=None,
+        )
+
+
+class S3SourceError(SourceError, S3Error):
+    """The bucket, object or prefix does not exist or access is denied (403, 404, empty prefix)."""

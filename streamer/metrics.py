@@ -28,6 +28,7 @@ class LoadMetrics:
     copy_wait_seconds: float = 0.0  # staged loads: consumer blocked on copies with no read in flight
     ring_stalls: int = 0  # staged loads: times a read could not start because every slot was busy
     copies: int = 0  # staged loads: copies out of the ring
+    s3_files: int = 0  # files read from S3 (the others count as direct or buffered)
     engine: dict[str, float] = field(default_factory=dict)
     _started: float = 0.0
 
@@ -90,4 +91,7 @@ class LoadMetrics:
             "bytes_read": int(self.engine.get("bytes_read", 0)),
             "read_s": self.engine.get("read_seconds", 0.0),
             "worker_idle_s": self.engine.get("idle_seconds", 0.0),
+            "s3_files": self.s3_files,
+            "requests": int(self.engine.get("requests", 0)),  # S3 requests, retries included
+            "retries": int(self.engine.get("retries", 0)),  # S3 tries that failed and were retried
         }

@@ -24,6 +24,7 @@ from streamer.engine import native
 from streamer.errors import ReadError, SourceError, StreamerError
 from streamer.metrics import LoadMetrics
 from streamer.planner import Segment, plan_segments
+from streamer.reader import Reader
 from streamer.selection import Selection, run_then_close
 
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
@@ -70,7 +71,7 @@ class LoadRun:
             if segment_bytes is None
             else max((s.size for s in self._segments if s.size <= segment_bytes + slack), default=0)
         )
-        self._engine: native.Engine | None = None
+        self._engine: Reader | None = None
         self._buffers: dict[int, torch.Tensor] = {}
         self._undelivered: dict[int, int] = {}
         self._next_segment = 0
@@ -171,10 +172,10 @@ class LoadRun:
     def _new_buffer(self, segment: Segment, *, force: bool) -> tuple[torch.Tensor, int] | None:
         """Fresh memory for ``segment`` if the budget allows (after unmapping idle buffers), else None."""
         capacity = max(segment.size, self._common_capacity)
-        if not self._budget.try_reserve(capacity, force=force) and not (
-            self._pool.drop_idle() and self._budget.try_reserve(capacity, force=force)
-        ):
-            return None
+        if not self._budget.try_reserve(capacity):
+            self._pool.drop_idle()
+            if not self._budget.try_reserve(capacity, force=force):
+                return None
         allocated = time.perf_counter()
         try:
             buffer = self._pool.allocate(capacity)
@@ -213,23 +214,38 @@ def start_engine(
     config: StreamerConfig,
     units: Sequence[native.Unit],
     metrics: LoadMetrics,
-) -> native.Engine:
-    """An engine over ``units`` with ``files`` (checkpoint file indices) opened as engine files 0..n-1."""
-    engine = native.Engine(config.concurrency, units)
+) -> Reader:
+    """A reader over ``units`` with ``files`` (checkpoint file indices) as engine files 0..n-1.
+
+    Local files are opened by the engine; S3 objects become external files served by an
+    S3 backend. A run of S3 objects only gets one (idle) engine thread.
+    """
+    objects = {index: checkpoint.object_of(file) for index, file in enumerate(files)}
+    remote = {index: info for index, info in objects.items() if info is not None}
+    workers = 1 if len(remote) == len(files) else config.concurrency
+    reader = Reader(native.Engine(workers, units))
     try:
         for index, file in enumerate(files):
             path = checkpoint.headers[file].path
-            try:
-                engine_index, direct = engine.add_file(path, _wants_direct(config, path))
-            except OSError as exc:
-                raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
+            if index in remote:
+                engine_index = reader.add_external_file()
+            else:
+                try:
+                    engine_index, direct = reader.add_file(path, _wants_direct(config, path))
+                except OSError as exc:
+                    raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
+                metrics.file_opened(direct)
             if engine_index != index:
                 raise StreamerError(f"engine numbered file {engine_index}, expected {index}", path=path)
-            metrics.file_opened(direct)
+        if remote:
+            if checkpoint.s3 is None:
+                raise StreamerError("an S3 checkpoint without its client")  # a bug, not user input
+            reader.attach_s3(checkpoint.s3.get(), remote)
+            metrics.s3_files = len(remote)
     except BaseException:
-        engine.close()
+        reader.close()
         raise
-    return engine
+    return reader
 
 
 def _wants_direct(config: StreamerConfig, path: str) -> bool:

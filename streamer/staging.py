@@ -29,6 +29,7 @@ from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
 from streamer.pipeline import engine_error, start_engine
 from streamer.planner import Piece, Span, align_down, align_up, group_spans, plan_pieces
+from streamer.reader import Reader
 from streamer.selection import Selection, run_then_close
 
 DEFAULT_RING_BYTES = 1 << 30  # reaches PCIe speed with room to spare; smaller checkpoints get less
@@ -73,7 +74,7 @@ class StagedRun:
         self._regions = group_spans(self._spans, max_gap=max(config.block_size, 2 * DIRECT_IO_ALIGNMENT))
         self._destination: Destination | None = destination_for(self._regions, self._spans, self._loaded)
         self._ring: HostRing | None = None
-        self._engine: native.Engine | None = None
+        self._engine: Reader | None = None
         self._copying: dict[int, list[CopyTicket]] = {}  # piece -> its copies still running
         self.metrics = selection.new_metrics()
 

@@ -169,13 +169,18 @@ def test_duplicate_tensor_names_across_shards(tmp_path: Path) -> None:
         assert "1.safetensors" in message and "2.safetensors" in message  # both places named
 
 
-def test_s3_source() -> None:
+def test_s3_source_without_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Nothing to sign with: a SourceError naming the object, at once (no request is sent)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # never the real AWS
     for source in ("s3://bucket/model.safetensors", "s3://bucket/dir/"):
-        with pytest.raises(SourceError) as info:
+        with pytest.raises(SourceError, match="credentials") as info:
             streamer.open(source)
         assert info.value.path == source
-    with pytest.raises(SourceError):
-        streamer.load_file("s3://bucket/model.safetensors")
 
 
 # --- unreadable files -----------------------------------------------------------------------

@@ -31,6 +31,7 @@ extern "C" {
 #define SE_ERR_CANCELLED (-5) /* se_engine_cancel() was called */
 #define SE_ERR_INVALID (-6)   /* bad argument (index out of range, bad range, ...) */
 #define SE_ERR_THREAD (-7)    /* a worker thread could not be started */
+#define SE_ERR_EXTERNAL (-8)  /* an external reader failed (se_engine_fail); it knows why */
 
 /* A unit completes once every byte of [begin, end) of its file has been read. */
 typedef struct se_unit {
@@ -90,6 +91,23 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
  */
 int32_t se_engine_add_file(se_engine *engine, const char *path, int32_t want_direct,
                            int32_t *is_direct, int32_t *sys_errno);
+
+/*
+ * External files: bytes that another reader (e.g. the S3 backend) fetches itself.
+ * se_engine_add_external_file() registers one and returns its index (>= 0) or a
+ * negative status; workers never read it and se_engine_submit() rejects its blocks.
+ * The external reader reports each finished block with se_engine_credit(), which
+ * credits the units exactly as a worker's read would (and counts
+ * acc_end - acc_begin in bytes_read); it returns SE_OK, SE_ERR_INVALID for an
+ * invalid block or one of a file that is not external, or the run's error /
+ * SE_ERR_CANCELLED once the run has stopped (the block is then not credited).
+ * se_engine_fail() stops the run with info (code must be negative) as its first
+ * failure, exactly like a failed read: queued blocks are dropped and waiters wake.
+ * Both may be called from any thread.
+ */
+int32_t se_engine_add_external_file(se_engine *engine);
+int32_t se_engine_credit(se_engine *engine, const se_block *block);
+int32_t se_engine_fail(se_engine *engine, const se_error_info *info);
 
 /* Queues blocks behind those already queued (FIFO). A batch with an invalid block
  * (bad index, empty or misplaced credited range, a unit of another file) is

@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 typedef struct se_file {
-    int fd;
+    int fd; /* -1: an external file, read by someone else */
 } se_file;
 
 struct se_engine {
@@ -171,7 +171,9 @@ static void teardown(se_engine *e, uint32_t started_workers) {
         pthread_join(e->workers[i], NULL);
     }
     for (int32_t i = 0; i < e->n_files; i++) {
-        close(e->files[i].fd);
+        if (e->files[i].fd >= 0) {
+            close(e->files[i].fd);
+        }
     }
     pthread_cond_destroy(&e->done_ready);
     pthread_cond_destroy(&e->work_ready);
@@ -256,6 +258,25 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
     return e;
 }
 
+/* Appends a file entry; returns its index or SE_ERR_NOMEM (fd is not closed on failure). */
+static int32_t append_file(se_engine *e, int fd) {
+    pthread_mutex_lock(&e->lock);
+    if (e->n_files == e->files_capacity) {
+        int32_t capacity = e->files_capacity ? e->files_capacity * 2 : 8;
+        se_file *grown = realloc(e->files, (size_t)capacity * sizeof(*grown));
+        if (grown == NULL) {
+            pthread_mutex_unlock(&e->lock);
+            return SE_ERR_NOMEM;
+        }
+        e->files = grown;
+        e->files_capacity = capacity;
+    }
+    int32_t index = e->n_files++;
+    e->files[index].fd = fd;
+    pthread_mutex_unlock(&e->lock);
+    return index;
+}
+
 int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, int32_t *is_direct,
                            int32_t *sys_errno) {
     *is_direct = 0;
@@ -272,27 +293,21 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
         *sys_errno = errno;
         return SE_ERR_OPEN;
     }
-    pthread_mutex_lock(&e->lock);
-    if (e->n_files == e->files_capacity) {
-        int32_t capacity = e->files_capacity ? e->files_capacity * 2 : 8;
-        se_file *grown = realloc(e->files, (size_t)capacity * sizeof(*grown));
-        if (grown == NULL) {
-            pthread_mutex_unlock(&e->lock);
-            close(fd);
-            return SE_ERR_NOMEM;
-        }
-        e->files = grown;
-        e->files_capacity = capacity;
+    int32_t index = append_file(e, fd);
+    if (index < 0) {
+        close(fd);
     }
-    int32_t index = e->n_files++;
-    e->files[index].fd = fd;
-    pthread_mutex_unlock(&e->lock);
     return index;
 }
 
-/* Caller holds the lock. */
-static int block_is_valid(const se_engine *e, const se_block *b) {
-    int valid = b->file >= 0 && b->file < e->n_files && b->dst != NULL && b->first_unit <= b->last_unit &&
+int32_t se_engine_add_external_file(se_engine *e) {
+    return append_file(e, -1);
+}
+
+/* Caller holds the lock. external: the block must be of an external file (else of a local one). */
+static int block_is_valid(const se_engine *e, const se_block *b, int external) {
+    int valid = b->file >= 0 && b->file < e->n_files && (e->files[b->file].fd < 0) == external &&
+           b->dst != NULL && b->first_unit <= b->last_unit &&
            b->last_unit < e->n_units && b->read_offset <= b->acc_begin && b->acc_begin < b->acc_end &&
            b->acc_end <= b->read_offset + b->read_length;
     for (uint32_t u = b->first_unit; valid && u <= b->last_unit; u++) {
@@ -304,7 +319,7 @@ static int block_is_valid(const se_engine *e, const se_block *b) {
 int32_t se_engine_submit(se_engine *e, const se_block *blocks, size_t n_blocks) {
     pthread_mutex_lock(&e->lock);
     for (size_t i = 0; i < n_blocks; i++) {
-        if (!block_is_valid(e, &blocks[i])) {
+        if (!block_is_valid(e, &blocks[i], 0)) {
             pthread_mutex_unlock(&e->lock);
             return SE_ERR_INVALID;
         }
@@ -338,6 +353,36 @@ int32_t se_engine_submit(se_engine *e, const se_block *blocks, size_t n_blocks) 
     memcpy(e->queue + e->queue_tail, blocks, n_blocks * sizeof(*blocks));
     e->queue_tail += n_blocks;
     pthread_cond_broadcast(&e->work_ready);
+    pthread_mutex_unlock(&e->lock);
+    return SE_OK;
+}
+
+int32_t se_engine_credit(se_engine *e, const se_block *b) {
+    pthread_mutex_lock(&e->lock);
+    int32_t status = SE_OK;
+    if (!block_is_valid(e, b, 1)) {
+        status = SE_ERR_INVALID;
+    } else if (e->cancelled || e->error.code != SE_OK) {
+        status = e->cancelled ? SE_ERR_CANCELLED : e->error.code;
+    } else {
+        e->stats.bytes_read += b->acc_end - b->acc_begin;
+        e->stats.blocks_done++;
+        credit_units(e, b);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return status;
+}
+
+int32_t se_engine_fail(se_engine *e, const se_error_info *info) {
+    if (info == NULL || info->code >= SE_OK) {
+        return SE_ERR_INVALID;
+    }
+    pthread_mutex_lock(&e->lock);
+    if (e->error.code == SE_OK) {
+        e->error = *info;
+    }
+    e->queue_head = e->queue_tail;
+    pthread_cond_broadcast(&e->done_ready);
     pthread_mutex_unlock(&e->lock);
     return SE_OK;
 }

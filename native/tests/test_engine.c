@@ -947,6 +947,124 @@ static void test_add_files_while_reading(void) {
     free(data);
 }
 
+typedef struct crediter {
+    se_engine *engine;
+    const se_block *blocks;
+    size_t n_blocks;
+} crediter;
+
+/* An external reader: "reads" each block (a memcpy) and credits it from its own thread. */
+static void *crediter_main(void *arg) {
+    crediter *c = arg;
+    for (size_t i = 0; i < c->n_blocks; i++) {
+        CHECK_EQ(se_engine_credit(c->engine, &c->blocks[i]), SE_OK);
+    }
+    return NULL;
+}
+
+/*
+ * 13. External files: credited blocks complete units exactly like worker reads (units of a
+ * local and an external file in one run), submit and credit refuse each other's files, a
+ * failure reported with se_engine_fail wakes waiters with its info and stops crediting.
+ */
+static void test_external_files(void) {
+    const uint64_t size = 2 * MIB;
+    const uint64_t block = 64 * KIB;
+    unsigned char *data = random_bytes(size, 13);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst_local = calloc(1, size);
+    unsigned char *dst_ext = calloc(1, size);
+    uint64_t rng = 1313;
+    se_unit units[256];
+    uint32_t n_local = make_units(units, 128, 0, size, &rng);
+    uint32_t n_ext = make_units(units + n_local, 128, 1, size, &rng);
+    uint32_t n_units = n_local + n_ext;
+    se_block *local_blocks = malloc(4096 * sizeof(*local_blocks));
+    se_block *ext_blocks = malloc(4096 * sizeof(*ext_blocks));
+    CHECK(dst_local != NULL && dst_ext != NULL && local_blocks != NULL && ext_blocks != NULL);
+    size_t n_lb = plan_blocks(units, 0, n_local, size, block, 1, dst_local, local_blocks);
+    size_t n_eb = plan_blocks(units, n_local, n_units, size, block, 0, dst_ext, ext_blocks);
+    for (size_t i = 0; i < n_eb; i++) {
+        memcpy(ext_blocks[i].dst, data + ext_blocks[i].read_offset,
+               (size_t)min_u64(ext_blocks[i].read_length, size - ext_blocks[i].read_offset));
+    }
+    shuffle_blocks(ext_blocks, n_eb, &rng);
+
+    se_engine *e = engine_new(2, units, n_units);
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+    CHECK_EQ(se_engine_add_external_file(e), 1);
+    /* Each side refuses the other's blocks. */
+    CHECK_EQ(se_engine_submit(e, ext_blocks, 1), SE_ERR_INVALID);
+    CHECK_EQ(se_engine_credit(e, &local_blocks[0]), SE_ERR_INVALID);
+    se_block bad = ext_blocks[0];
+    bad.last_unit = n_units;
+    CHECK_EQ(se_engine_credit(e, &bad), SE_ERR_INVALID);
+    bad = ext_blocks[0];
+    bad.file = 2;
+    CHECK_EQ(se_engine_credit(e, &bad), SE_ERR_INVALID);
+    se_error_info ok_info = {SE_OK, 0, 1, 0, 0, 0};
+    CHECK_EQ(se_engine_fail(e, &ok_info), SE_ERR_INVALID);
+    CHECK_EQ(se_engine_fail(e, NULL), SE_ERR_INVALID);
+
+    CHECK_EQ(se_engine_submit(e, local_blocks, n_lb), SE_OK);
+    crediter c = {e, ext_blocks, n_eb};
+    pthread_t thread;
+    CHECK(pthread_create(&thread, NULL, crediter_main, &c) == 0);
+    uint8_t seen[256] = {0};
+    collect(e, seen, n_units, n_units, 7);
+    CHECK(pthread_join(thread, NULL) == 0);
+    expect_quiet(e, 20);
+    for (uint32_t u = 0; u < n_units; u++) {
+        const unsigned char *dst = units[u].file == 0 ? dst_local : dst_ext;
+        CHECK(memcmp(dst + units[u].begin, data + units[u].begin, units[u].end - units[u].begin) == 0);
+    }
+    se_stats stats;
+    se_engine_stats(e, &stats);
+    CHECK_EQ(stats.blocks_done, n_lb + n_eb);
+    se_engine_destroy(e);
+
+    /* A failure from the external reader: waiters wake with it, the first one sticks. */
+    e = engine_new(1, units, n_units);
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+    CHECK_EQ(se_engine_add_external_file(e), 1);
+    waiter w = {e, 12345, 0.0};
+    CHECK(pthread_create(&thread, NULL, waiter_main, &w) == 0);
+    sleep_ms(50);
+    se_error_info info = {SE_ERR_EXTERNAL, 0, 1, 4096, 100, 7};
+    CHECK_EQ(se_engine_fail(e, &info), SE_OK);
+    se_error_info later = {SE_ERR_READ, 5, 0, 0, 1, 0};
+    CHECK_EQ(se_engine_fail(e, &later), SE_OK);
+    CHECK(pthread_join(thread, NULL) == 0);
+    CHECK_EQ(w.rc, SE_ERR_EXTERNAL);
+    CHECK(w.seconds < 10.0);
+    se_error_info err;
+    se_engine_error(e, &err);
+    CHECK_EQ(err.code, SE_ERR_EXTERNAL);
+    CHECK_EQ(err.file, 1);
+    CHECK_EQ(err.offset, 4096);
+    CHECK_EQ(err.expected, 100);
+    CHECK_EQ(err.got, 7);
+    CHECK_EQ(se_engine_credit(e, &ext_blocks[0]), SE_ERR_EXTERNAL);
+    CHECK_EQ(se_engine_submit(e, local_blocks, 1), SE_ERR_EXTERNAL);
+    se_engine_destroy(e);
+
+    /* After cancel, credits are refused and nothing completes. */
+    e = engine_new(1, units, n_units);
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+    CHECK_EQ(se_engine_add_external_file(e), 1);
+    se_engine_cancel(e);
+    CHECK_EQ(se_engine_credit(e, &ext_blocks[0]), SE_ERR_CANCELLED);
+    se_engine_destroy(e);
+
+    free(ext_blocks);
+    free(local_blocks);
+    free(dst_ext);
+    free(dst_local);
+    temp_remove(&f);
+    free(data);
+}
+
 int main(void) {
     RUN(test_read_many_units);
     RUN(test_straddling_blocks);
@@ -960,6 +1078,7 @@ int main(void) {
     RUN(test_stats);
     RUN(test_stress);
     RUN(test_add_files_while_reading);
+    RUN(test_external_files);
     printf("engine tests: %d passed, 0 failed\n", g_passed);
     return 0;
 }

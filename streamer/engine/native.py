@@ -32,6 +32,9 @@ typedef struct se_engine se_engine;
 se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n_units, int32_t *status);
 int32_t se_engine_add_file(se_engine *engine, const char *path, int32_t want_direct,
                            int32_t *is_direct, int32_t *sys_errno);
+int32_t se_engine_add_external_file(se_engine *engine);
+int32_t se_engine_credit(se_engine *engine, const se_block *block);
+int32_t se_engine_fail(se_engine *engine, const se_error_info *info);
 int32_t se_engine_submit(se_engine *engine, const se_block *blocks, size_t n_blocks);
 int32_t se_engine_wait(se_engine *engine, uint32_t *unit_ids, size_t max_ids, int32_t timeout_ms,
                        size_t *n_out);
@@ -52,6 +55,7 @@ ERR_TRUNCATED = -4
 ERR_CANCELLED = -5
 ERR_INVALID = -6
 ERR_THREAD = -7
+ERR_EXTERNAL = -8
 
 _LIBRARY_NAME = "libstreamer_engine.so"
 
@@ -109,6 +113,17 @@ class Unit(NamedTuple):
     end: int
 
 
+def _fill_block(entry: Any, block: Block) -> None:
+    entry.file = block.file
+    entry.first_unit = block.first_unit
+    entry.last_unit = block.last_unit
+    entry.acc_begin = block.acc_begin
+    entry.acc_end = block.acc_end
+    entry.read_offset = block.read_offset
+    entry.read_length = block.read_length
+    entry.dst = ffi.cast("void *", block.dst)
+
+
 def _raise_status(status: int, what: str) -> None:
     if status == ERR_NOMEM:
         raise MemoryError(f"{what}: out of memory")
@@ -149,20 +164,45 @@ class Engine:
             _raise_status(index, f"opening {path}")
         return int(index), bool(is_direct[0])
 
+    def add_external_file(self) -> int:
+        """Registers a file whose blocks another reader fetches and reports with ``credit``."""
+        index = self._lib.se_engine_add_external_file(self._handle)
+        if index < 0:
+            _raise_status(index, "adding an external file")
+        return int(index)
+
+    def credit(self, block: Block) -> bool:
+        """Reports a block of an external file as read; False once the run has stopped.
+
+        Safe from any thread while the engine is open (the caller keeps it open until its
+        reader has stopped).
+        """
+        entry = ffi.new("se_block *")
+        _fill_block(entry, block)
+        status = self._lib.se_engine_credit(self._handle, entry)
+        if status == ERR_INVALID:
+            raise ValueError(f"engine refused the credited block {block}")
+        return bool(status == OK)
+
+    def fail(self, info: ErrorInfo) -> None:
+        """Stops the run with ``info`` as its failure (unless it already failed); waiters wake."""
+        entry = ffi.new("se_error_info *")
+        entry.code = info.code
+        entry.sys_errno = info.sys_errno
+        entry.file = info.file
+        entry.offset = info.offset
+        entry.expected = info.expected
+        entry.got = info.got
+        status = self._lib.se_engine_fail(self._handle, entry)
+        if status != OK:
+            _raise_status(status, "reporting a failure")
+
     def submit(self, blocks: Sequence[Block]) -> None:
         if not blocks:
             return
         array = ffi.new("se_block[]", len(blocks))
         for i, block in enumerate(blocks):
-            entry = array[i]
-            entry.file = block.file
-            entry.first_unit = block.first_unit
-            entry.last_unit = block.last_unit
-            entry.acc_begin = block.acc_begin
-            entry.acc_end = block.acc_end
-            entry.read_offset = block.read_offset
-            entry.read_length = block.read_length
-            entry.dst = ffi.cast("void *", block.dst)
+            _fill_block(array[i], block)
         status = self._lib.se_engine_submit(self._handle, array, len(blocks))
         if status != OK:
             self._raise_failure(status)
@@ -222,6 +262,11 @@ def own(pointer: Any, size: int, release: Callable[[Any], None]) -> Any:
 def as_buffer(memory: Any, size: int) -> Any:
     """A writable Python buffer over ``memory`` that keeps it alive."""
     return ffi.buffer(memory, size)
+
+
+def writable_view(address: int, size: int) -> memoryview:
+    """A writable view of ``size`` bytes at ``address``; the caller keeps the memory alive."""
+    return memoryview(ffi.buffer(ffi.cast("char *", address), size))
 
 
 def address(memory: Any) -> int:

@@ -62,19 +62,13 @@ def _resolve_directory(directory: Path) -> ResolvedSource:
 def _resolve_index(index_path: Path) -> ResolvedSource:
     """Reads ``model.safetensors.index.json``; every shard it names must exist before any read."""
     try:
-        document = json.loads(index_path.read_text(encoding="utf-8"))
+        text = index_path.read_bytes()
     except FileNotFoundError:
         raise SourceError("no such index file", path=str(index_path)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         raise SourceError(f"cannot read the index: {exc}", path=str(index_path)) from None
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise SourceError("the index has no 'weight_map' of tensor name -> file name", path=str(index_path))
+    weight_map = parse_index(text, path=str(index_path))
     shards = sorted(set(weight_map.values()))
-    if not shards:
-        raise SourceError("the index's weight_map is empty", path=str(index_path))
     directory = index_path.parent
     missing = [s for s in shards if not (directory / s).is_file()]
     if missing:
@@ -84,3 +78,19 @@ def _resolve_index(index_path: Path) -> ResolvedSource:
         weight_map={name: str(directory / shard) for name, shard in weight_map.items()},
         index_path=str(index_path),
     )
+
+
+def parse_index(text: bytes, *, path: str) -> dict[str, str]:
+    """The tensor name -> shard file name map of an index document (local or remote)."""
+    try:
+        document = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SourceError(f"cannot read the index: {exc}", path=path) from None
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise SourceError("the index has no 'weight_map' of tensor name -> file name", path=path)
+    if not weight_map:
+        raise SourceError("the index's weight_map is empty", path=path)
+    return weight_map

@@ -1,0 +1,1 @@
+"""Storage backends other than the native engine's local reads (S3)."""

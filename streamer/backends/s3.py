@@ -1,0 +1,668 @@
+"""S3 reads: one asyncio event loop on one background thread, one aiobotocore client.
+
+``S3Client`` owns the loop, its thread and the client; ``close()`` cancels what is still running,
+closes the client (and with it every connection), stops the loop and joins the thread.
+``S3Feeder`` serves the blocks of S3 files for one run: a fixed number of worker tasks (the
+``concurrency``) pull blocks from a queue, fetch each with a ranged GET whose body is copied chunk
+by chunk straight into the block's destination memory, and credit the block to the native engine
+exactly as a reader thread would; a failure is reported to the engine, so the run's waiter wakes
+as for a failed local read.
+
+Each request is retried on throttling, 5xx, connection errors, timeouts and short bodies, for the
+bytes still missing only, with exponential backoff and full jitter, until ``max_attempts`` tries or
+``retry_deadline`` seconds. botocore's own retries are off, so the attempt counts are ours.
+Every ranged GET after the header read carries ``If-Match`` with the ETag the header read saw, and
+the returned ETag and object size are compared too: an object replaced during a load is an error,
+never a mixed checkpoint.
+
+aiobotocore and botocore are imported only when a client is made: ``import streamer`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import random
+import ssl
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from streamer.backends.http import Connection, HttpFailure, Target, ssl_context
+from streamer.config import S3Config
+from streamer.engine import native
+from streamer.errors import S3Error, S3SourceError, SourceError
+
+T = TypeVar("T")
+
+SCHEME = "s3://"
+_RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+_PRESIGN_SECONDS = 3600
+_GONE_CODES = frozenset(
+    {"NoSuchKey", "NoSuchBucket", "AccessDenied", "NotFound", "Forbidden", "NoCredentials"}
+)
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    bucket: str
+    key: str
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.key}"
+
+
+def parse_uri(text: str) -> S3Uri:
+    """``s3://bucket/key`` (the key may be empty or end with ``/`` for a prefix)."""
+    if not text.startswith(SCHEME):
+        raise SourceError("not an S3 URI (expected s3://bucket/key)", path=text)
+    bucket, _, key = text[len(SCHEME) :].partition("/")
+    if not bucket or any(c in bucket for c in " \\?#") or bucket in (".", ".."):
+        raise SourceError("bad S3 URI: no valid bucket name (expected s3://bucket/key)", path=text)
+    if "\0" in key:
+        raise SourceError("bad S3 URI: the key contains a NUL byte", path=text)
+    return S3Uri(bucket, key)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """An object as its header read saw it; later reads must see the same size and ETag."""
+
+    uri: S3Uri
+    size: int
+    etag: str | None
+
+
+class _Retry(Exception):
+    """One try failed in a way worth another."""
+
+    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.status, self.code = reason, status, code
+
+
+class _Fatal(Exception):
+    """One try failed in a way no retry can fix."""
+
+    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.status, self.code = reason, status, code
+
+
+def _classify_status(status: int | None, code: str | None) -> _Retry | _Fatal:
+    if status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES or (status or 0) >= 500:
+        return _Retry("the server asked to retry", status, code)
+    if status == 412 or code == "PreconditionFailed":
+        return _Fatal("the object changed during the load (its ETag no longer matches)", status, code)
+    if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
+        what = "bucket" if code == "NoSuchBucket" else "object"
+        return _Fatal(f"no such {what}", status, code)
+    if status == 403 or code in ("AccessDenied", "Forbidden"):
+        return _Fatal("access denied", status, code)
+    if status is not None and 200 <= status < 300:
+        return _Retry("an unusable response (no Content-Length, or not the range asked for)", status, code)
+    return _Fatal("request refused", status, code)
+
+
+def _classify(exc: Exception) -> _Retry | _Fatal:
+    import ssl
+
+    import aiohttp
+    import botocore.exceptions as be
+
+    if isinstance(exc, (_Retry, _Fatal)):
+        return exc
+    if isinstance(exc, HttpFailure):
+        return _classify_status(exc.status, exc.code)
+    if isinstance(exc, be.ClientError):
+        response: Mapping[str, Any] = exc.response
+        return _classify_status(
+            response.get("ResponseMetadata", {}).get("HTTPStatusCode"), response.get("Error", {}).get("Code")
+        )
+    if isinstance(exc, (be.NoCredentialsError, be.PartialCredentialsError)):
+        return _Fatal(
+            "no usable credentials (set them, or use anonymous access for public buckets)",
+            None,
+            "NoCredentials",
+        )
+    if isinstance(exc, (be.SSLError, ssl.SSLCertVerificationError)):
+        return _Fatal(f"TLS failure: {type(exc).__name__}")
+    if isinstance(exc, (be.HTTPClientError, be.ConnectionError, be.IncompleteReadError)):
+        return _Retry(f"connection failure: {type(exc).__name__}")
+    if isinstance(exc, be.BotoCoreError):
+        return _Fatal(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
+        return _Retry(f"connection failure: {type(exc).__name__}")
+    return _Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
+
+
+def _content_range(response: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """``(first, last, size)`` of a ``Content-Range: bytes first-last/size`` header, if any."""
+    text = response.get("ContentRange")
+    if not text:
+        return None
+    try:
+        unit, _, rest = text.partition(" ")
+        span, _, total = rest.partition("/")
+        first, _, last = span.partition("-")
+        if unit != "bytes":
+            return None
+        return int(first), int(last), int(total)
+    except ValueError:
+        return None
+
+
+class _Redactor(logging.Filter):
+    """Masks the credentials of open clients in botocore's DEBUG records.
+
+    botocore logs the canonical request (with ``X-Amz-Security-Token``) and the prepared
+    request's headers (the access key id in ``Authorization``) at DEBUG level. The filter only
+    rewrites records that contain a credential of a client open right now; anything else passes
+    unchanged, so installing it changes nothing else about those loggers.
+    """
+
+    _LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._secrets: dict[str, int] = {}
+        self._installed = False
+
+    def add(self, secrets: Sequence[str]) -> None:
+        with self._lock:
+            if not self._installed:
+                self._installed = True
+                for name in self._LOGGERS:
+                    logging.getLogger(name).addFilter(self)
+            for secret in secrets:
+                self._secrets[secret] = self._secrets.get(secret, 0) + 1
+
+    def remove(self, secrets: Sequence[str]) -> None:
+        with self._lock:
+            for secret in secrets:
+                left = self._secrets.get(secret, 0) - 1
+                if left > 0:
+                    self._secrets[secret] = left
+                else:
+                    self._secrets.pop(secret, None)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        secrets = list(self._secrets)
+        if not secrets:
+            return True
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        if any(secret in message for secret in secrets):
+            for secret in secrets:
+                message = message.replace(secret, "***")
+            record.msg, record.args = message, None
+        return True
+
+
+_REDACTOR = _Redactor()
+
+
+async def _cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancels the tasks and waits until every one has ended.
+
+    Cancelling again until they are gone: on Python < 3.12, ``asyncio.wait_for`` can swallow a
+    cancellation that arrives as its inner future completes, and the task would then go on to
+    wait on the block queue for ever.
+    """
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.05)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" at shutdown
+
+
+@functools.cache
+def _data_loader() -> Any:
+    """botocore's loader of service models and endpoints, shared by every session (it only caches
+    files it parsed). Sessions and credentials stay per client."""
+    from aiobotocore.session import get_session
+
+    return get_session().get_component("data_loader")
+
+
+class S3Client:
+    """An aiobotocore S3 client on a private event loop thread. Use as a context manager or ``close()``."""
+
+    def __init__(self, config: S3Config, *, pool: int | None = None) -> None:
+        self.config = config
+        self.requests = 0
+        self.retries = 0
+        self.bytes_fetched = 0
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="streamer-s3", daemon=True)
+        self._thread.start()
+        self._context: Any = None
+        self._client: Any = None
+        self._targets: dict[S3Uri, tuple[Target, float]] = {}
+        self._ssl = (
+            ssl_context(config.ca_bundle, config.verify) if config.verify else ssl_context(None, False)
+        )
+        self._secrets = [
+            secret
+            for secret in (config.access_key_id, config.secret_access_key, config.session_token)
+            if secret and not config.anonymous
+        ]
+        _REDACTOR.add(self._secrets)
+        try:
+            self.call(self._open(pool if pool is not None else config.concurrency))
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> S3Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coroutine`` on the loop and waits for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    async def _open(self, pool: int) -> None:
+        from aiobotocore.config import AioConfig
+        from aiobotocore.session import get_session
+        from botocore import UNSIGNED
+
+        c = self.config
+        session = get_session()
+        session.register_component("data_loader", _data_loader())  # parsed service models: ~0.1 s
+        if c.profile is not None:
+            session.set_config_variable("profile", c.profile)
+        options: dict[str, Any] = {
+            "s3": {"addressing_style": c.addressing_style},
+            "retries": {"total_max_attempts": 1, "mode": "standard"},  # ours are the only retries
+            "connect_timeout": c.connect_timeout,
+            "read_timeout": c.read_timeout,
+            "max_pool_connections": max(pool, 1),
+            "tcp_keepalive": True,
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+        }
+        # SigV4 (S3's default for requests) also for the presigned URLs of the data path
+        options["signature_version"] = UNSIGNED if c.anonymous else "s3v4"
+        credentials: dict[str, Any] = {}
+        if c.access_key_id is not None and not c.anonymous:
+            credentials = {
+                "aws_access_key_id": c.access_key_id,
+                "aws_secret_access_key": c.secret_access_key,
+                "aws_session_token": c.session_token,
+            }
+        verify: bool | str = c.ca_bundle if c.ca_bundle and c.verify else c.verify
+        self._context = session.create_client(
+            "s3",
+            endpoint_url=c.endpoint_url,
+            region_name=c.region,
+            verify=verify,
+            config=AioConfig(**options),
+            **credentials,
+        )
+        self._client = await self._context.__aenter__()
+
+    def close(self) -> None:
+        """Cancels running requests, closes the client and its connections, stops the thread. Idempotent."""
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive():
+            try:
+                self.call(self._shutdown())
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join()
+        self.loop.close()
+        _REDACTOR.remove(self._secrets)
+
+    async def _shutdown(self) -> None:
+        current = asyncio.current_task()
+        await _cancel_all([t for t in asyncio.all_tasks() if t is not current])
+        context, self._context, self._client = self._context, None, None
+        if context is not None:
+            await context.__aexit__(None, None, None)
+        await asyncio.sleep(0)  # let closed transports run their connection_lost callbacks
+
+    # --- requests (coroutines: run them on the loop) ---------------------------------------
+
+    async def retrying(
+        self,
+        uri: S3Uri,
+        byte_range: tuple[int, int] | None,
+        once: Callable[[], Awaitable[T]],
+        *,
+        source_errors: bool = False,
+    ) -> T:
+        """Runs ``once`` until it succeeds, fails for good, or runs out of tries or time.
+
+        ``source_errors``: a missing or forbidden object raises ``S3SourceError`` (the source does
+        not resolve) rather than ``S3Error`` (it went away during the load).
+        """
+        c = self.config
+        started = time.monotonic()
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                return await once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                kind = _classify(exc)
+                if isinstance(kind, _Fatal):
+                    gone = source_errors and (kind.status in (403, 404) or kind.code in _GONE_CODES)
+                    error_type = S3SourceError if gone else S3Error
+                    raise error_type(
+                        kind.reason,
+                        bucket=uri.bucket,
+                        key=uri.key,
+                        byte_range=byte_range,
+                        status=kind.status,
+                        code=kind.code,
+                        attempts=attempts,
+                    ) from None
+                delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
+                out_of_time = time.monotonic() - started + delay > c.retry_deadline
+                if attempts >= c.max_attempts or out_of_time:
+                    why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
+                    raise S3Error(
+                        f"{why}: {kind.reason}",
+                        bucket=uri.bucket,
+                        key=uri.key,
+                        byte_range=byte_range,
+                        status=kind.status,
+                        code=kind.code,
+                        attempts=attempts,
+                    ) from None
+                self.retries += 1
+                await asyncio.sleep(delay)
+
+    async def get_start(self, uri: S3Uri, length: int) -> tuple[bytes, ObjectInfo]:
+        """Up to ``length`` bytes from the start of the object, with its size and ETag (one GET)."""
+
+        async def once() -> tuple[bytes, ObjectInfo]:
+            import botocore.exceptions as be
+
+            self.requests += 1
+            try:
+                response = await self._client.get_object(
+                    Bucket=uri.bucket, Key=uri.key, Range=f"bytes=0-{length - 1}"
+                )
+            except be.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "InvalidRange":  # an empty object
+                    return b"", ObjectInfo(uri, 0, None)
+                raise
+            body = response["Body"]
+            try:
+                span = _content_range(response)
+                size = span[2] if span is not None else int(response["ContentLength"])
+                want = min(length, size)
+                data = bytearray()
+                while len(data) < want:
+                    chunk = await body.read(want - len(data))
+                    if not chunk:
+                        raise _Retry(f"short body: {len(data)} of {want} bytes")
+                    data += chunk
+            finally:
+                body.close()
+            self.bytes_fetched += len(data)
+            return bytes(data), ObjectInfo(uri, size, response.get("ETag"))
+
+        return await self.retrying(uri, (0, length), once, source_errors=True)
+
+    async def get_bytes(
+        self, info: ObjectInfo, begin: int, end: int, *, source_errors: bool = False
+    ) -> bytes:
+        """Bytes ``[begin, end)`` of the object the header read saw."""
+        buffer = bytearray(end - begin)
+        await self.read_into(info, begin, end, memoryview(buffer), source_errors=source_errors)
+        return bytes(buffer)
+
+    async def read_into(
+        self, info: ObjectInfo, begin: int, end: int, view: memoryview, *, source_errors: bool = False
+    ) -> None:
+        """Writes bytes ``[begin, end)`` of the object into ``view``; a retry asks only for the rest."""
+        uri = info.uri
+        done = 0
+        total = end - begin
+
+        async def once() -> None:
+            nonlocal done
+            start = begin + done
+            options: dict[str, Any] = {"IfMatch": info.etag} if info.etag else {}
+            self.requests += 1
+            response = await self._client.get_object(
+                Bucket=uri.bucket, Key=uri.key, Range=f"bytes={start}-{end - 1}", **options
+            )
+            body = response["Body"]
+            try:
+                span = _content_range(response)
+                etag = response.get("ETag")
+                changed = (info.etag and etag and etag != info.etag) or (span and span[2] != info.size)
+                if changed:
+                    raise _Fatal("the object changed during the load (its ETag or size is not the header's)")
+                if span is None and not (start == 0 and end == info.size):
+                    raise _Retry("the server ignored the byte range")
+                if span is not None and span[0] != start:
+                    raise _Retry(f"the server sent bytes from {span[0]}, not {start}")
+                while done < total:
+                    chunk = await body.read(total - done)
+                    if not chunk:
+                        raise _Retry(f"short body: the response ended {total - done} bytes early")
+                    n = len(chunk)
+                    view[done : done + n] = chunk
+                    done += n
+                    self.bytes_fetched += n
+            finally:
+                body.close()
+
+        await self.retrying(uri, (begin, end), once, source_errors=source_errors)
+
+    def connection(self) -> Connection:
+        """A connection for ``fetch_into`` (one per worker; the caller closes it)."""
+        c = self.config
+        return Connection(lambda: self._ssl_context, c.connect_timeout, c.read_timeout)
+
+    @functools.cached_property
+    def _ssl_context(self) -> ssl.SSLContext:
+        return ssl_context(self.config.ca_bundle, self.config.verify)
+
+    async def _target(self, uri: S3Uri) -> Target:
+        """The object's presigned GET URL, re-signed when half of its validity has passed."""
+        now = time.monotonic()
+        cached = self._targets.get(uri)
+        if cached is None or now - cached[1] > _PRESIGN_SECONDS / 2:
+            url = await self._client.generate_presigned_url(
+                "get_object", Params={"Bucket": uri.bucket, "Key": uri.key}, ExpiresIn=_PRESIGN_SECONDS
+            )
+            cached = (Target.parse(url), now)
+            self._targets[uri] = cached
+        return cached[0]
+
+    async def fetch_into(
+        self, connection: Connection, info: ObjectInfo, begin: int, end: int, view: memoryview
+    ) -> None:
+        """``read_into`` on the fast path: the body is received straight into ``view``."""
+        uri = info.uri
+        done = 0
+        headers = {"If-Match": info.etag} if info.etag else {}
+
+        async def once() -> None:
+            nonlocal done
+            target = await self._target(uri)
+            self.requests += 1
+            try:
+                await connection.get(target, begin + done, view[done:], headers)
+            finally:
+                done += connection.received
+                self.bytes_fetched += connection.received
+            etag = connection.headers.get("etag")
+            span = _content_range({"ContentRange": connection.headers.get("content-range")})
+            if (info.etag and etag and etag != info.etag) or (span is not None and span[2] != info.size):
+                raise _Fatal("the object changed during the load (its ETag or size is not the header's)")
+
+        await self.retrying(uri, (begin, end), once)
+
+    async def get_object(self, uri: S3Uri) -> bytes:
+        """A whole (small) object, e.g. an index file."""
+        data, info = await self.get_start(uri, 1 << 20)
+        if len(data) < info.size:
+            data += await self.get_bytes(info, len(data), info.size, source_errors=True)
+        return data
+
+    async def list_keys(self, bucket: str, prefix: str) -> list[str]:
+        """Keys directly under ``prefix`` (not in sub-"directories"), sorted."""
+        keys: list[str] = []
+        token: str | None = None
+        uri = S3Uri(bucket, prefix)
+        while True:
+            options: dict[str, Any] = {"ContinuationToken": token} if token else {}
+
+            async def once(options: dict[str, Any] = options) -> dict[str, Any]:
+                self.requests += 1
+                result: dict[str, Any] = await self._client.list_objects_v2(
+                    Bucket=bucket, Prefix=prefix, Delimiter="/", **options
+                )
+                return result
+
+            page = await self.retrying(uri, None, once, source_errors=True)
+            keys.extend(item["Key"] for item in page.get("Contents", []))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sorted(keys)
+
+
+class ClientHolder:
+    """The S3 client of one opened checkpoint: made on first use, reused by its runs, closed with
+    the checkpoint (and made again if a closed checkpoint is read once more)."""
+
+    def __init__(self, config: S3Config) -> None:
+        self.config = config
+        self._client: S3Client | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> S3Client:
+        with self._lock:
+            if self._client is None or self._client.loop.is_closed():
+                self._client = S3Client(self.config)
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+class S3Feeder:
+    """Fetches the blocks of S3 files for one run and credits them to ``engine``.
+
+    ``objects`` maps engine file indices to the objects they are. ``submit`` may be called from
+    the run's thread at any time; ``close`` (before the engine closes) cancels what is queued or
+    running and returns once no request can write into destination memory any more.
+    """
+
+    def __init__(self, client: S3Client, engine: native.Engine, objects: Mapping[int, ObjectInfo]) -> None:
+        self._client = client
+        self._engine = engine
+        self._objects = dict(objects)
+        self.error: S3Error | None = None
+        self._queue: asyncio.Queue[native.Block] | None = None
+        self._workers: list[asyncio.Task[None]] = []
+        self._closed = False
+        client.call(self._start(client.config.concurrency))
+
+    async def _start(self, concurrency: int) -> None:
+        self._queue = asyncio.Queue()
+        self._workers = [asyncio.create_task(self._work()) for _ in range(concurrency)]
+
+    def submit(self, blocks: Sequence[native.Block]) -> None:
+        if self.error is not None:
+            raise self.error
+        batch = list(blocks)
+        self._client.loop.call_soon_threadsafe(self._enqueue, batch)
+
+    def _enqueue(self, blocks: list[native.Block]) -> None:
+        assert self._queue is not None
+        for block in blocks:
+            self._queue.put_nowait(block)
+
+    async def _work(self) -> None:
+        connection = self._client.connection()
+        try:
+            await self._work_on(connection)
+        finally:
+            connection.close()
+
+    async def _work_on(self, connection: Connection) -> None:
+        assert self._queue is not None
+        queue = self._queue
+        while True:
+            block = await queue.get()
+            if self.error is not None:
+                continue  # the run failed: drop the rest
+            info = self._objects[block.file]
+            # Only the credited bytes are needed: the planner's alignment padding is for O_DIRECT.
+            begin, end = block.acc_begin, block.acc_end
+            view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
+            try:
+                await self._client.fetch_into(connection, info, begin, end, view)
+            except S3Error as error:
+                self._fail(error, block)
+                continue
+            except Exception as exc:  # a bug must still end the run, never hang it
+                self._fail(
+                    S3Error(
+                        f"unexpected failure: {type(exc).__name__}: {exc}",
+                        bucket=info.uri.bucket,
+                        key=info.uri.key,
+                        byte_range=(begin, end),
+                    ),
+                    block,
+                )
+                continue
+            finally:
+                view.release()
+            self._engine.credit(block)
+
+    def _fail(self, error: S3Error, block: native.Block) -> None:
+        if self.error is None:
+            self.error = error
+        self._engine.fail(
+            native.ErrorInfo(
+                native.ERR_EXTERNAL, 0, block.file, block.acc_begin, block.acc_end - block.acc_begin, 0
+            )
+        )
+
+    def close(self) -> None:
+        """Cancels every worker and waits until they are gone. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._client.call(self._stop())
+
+    async def _stop(self) -> None:
+        workers, self._workers = self._workers, []
+        await _cancel_all(workers)

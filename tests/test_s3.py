@@ -1,0 +1,459 @@
+"""S3 sources against a real S3 server on 127.0.0.1 (moto), with a fault-injecting proxy in front.
+
+Every source form (one object, a prefix, an index, a list of objects) and every API (load,
+load_file, open, get_tensor, load_into, the staged ring) must be bit-exact with ``safetensors``;
+throttling, 5xx, resets, stalls and short bodies are retried for the missing bytes and counted;
+persistent faults, denied or missing objects and objects replaced mid-load fail with a typed
+error that names the object, and nothing (threads, descriptors, sockets) is left behind.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import (
+    TORCH_DTYPE,
+    KiB,
+    Written,
+    assert_same_dict,
+    checkpoint_order,
+    fd_count,
+    open_files,
+    random_tensor,
+    reference_load,
+    thread_count,
+    write_checkpoint,
+)
+from copy_standin import StandIn
+from s3_faults import FaultProxy, any_get
+
+import streamer
+from streamer import S3Config, S3Error, S3SourceError, SourceError, StreamerConfig
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+BUCKET = "models"
+ACCESS_KEY = "AKIDTESTSENTINEL42"
+SECRET_KEY = "secret/SENTINEL+value/0123456789"
+TOKEN = "session-token-SENTINEL-77"
+
+
+# --- server, proxy and data ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """A moto S3 server on a free loopback port; yields its endpoint URL."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(server: str) -> Any:
+    client = boto3.client(
+        "s3",
+        endpoint_url=server,
+        region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY,
+    )
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def upload(s3: Any, written: Written, prefix: str) -> None:
+    for shard in written.shards:
+        s3.upload_file(str(shard), BUCKET, f"{prefix}/{shard.name}")
+    if written.index is not None:
+        s3.upload_file(str(written.index), BUCKET, f"{prefix}/{written.index.name}")
+
+
+@pytest.fixture(scope="module")
+def every_dtype(tmp_path_factory: pytest.TempPathFactory, s3: Any) -> Written:
+    """Every dtype the local tests cover, 0-d to multi-block, in two shards with an index."""
+    g = torch.Generator().manual_seed(41)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, (name, dtype) in enumerate(TORCH_DTYPE.items()):
+        tensors[f"{name}.big"] = random_tensor((23 * KiB + 7 * i,), dtype, g)
+        tensors[f"{name}.small"] = random_tensor((3, 5 + i), dtype, g)
+        tensors[f"{name}.scalar"] = random_tensor((), dtype, g)
+        tensors[f"{name}.empty"] = random_tensor((0, 3), dtype, g)
+    tensors["huge"] = random_tensor((200 * KiB,), torch.float32, g)  # 800 KiB: many blocks
+    written = write_checkpoint(
+        tmp_path_factory.mktemp("s3dtypes"), tensors, shards=2, metadata={"origin": "s3-test"}
+    )
+    upload(s3, written, "dtypes")
+    return written
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory, s3: Any) -> Written:
+    g = torch.Generator().manual_seed(42)
+    tensors = {f"w{i}": random_tensor((16 * KiB + i,), torch.bfloat16, g) for i in range(12)}
+    written = write_checkpoint(tmp_path_factory.mktemp("s3single"), tensors, index=False)
+    upload(s3, written, "single")
+    return written
+
+
+@pytest.fixture
+def proxy(server: str) -> Iterator[FaultProxy]:
+    host, port = server.removeprefix("http://").split(":")
+    p = FaultProxy((host, int(port)), stall_seconds=3.0)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def s3_config(endpoint: str, **overrides: Any) -> S3Config:
+    values: dict[str, Any] = {
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "addressing_style": "path",
+        "access_key_id": ACCESS_KEY,
+        "secret_access_key": SECRET_KEY,
+        "session_token": TOKEN,
+        "concurrency": 8,
+        "max_attempts": 5,
+        "retry_deadline": 30.0,
+        "connect_timeout": 2.0,
+        "read_timeout": 1.0,
+        "backoff_base": 0.01,
+        "backoff_max": 0.05,
+    }
+    values.update(overrides)
+    return S3Config(**values)
+
+
+def cfg(endpoint: str, *, block_size: int = 64 * KiB, memory_limit: int | None = None, **s3: Any) -> Any:
+    return StreamerConfig(
+        concurrency=2, block_size=block_size, memory_limit=memory_limit, s3=s3_config(endpoint, **s3)
+    )
+
+
+# --- every source form, every API ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["index", "prefix", "prefix-no-slash", "list"])
+def test_every_source_form_is_bit_exact(server: str, every_dtype: Written, form: str) -> None:
+    source: Any = {
+        "index": f"s3://{BUCKET}/dtypes/{every_dtype.index.name if every_dtype.index else ''}",
+        "prefix": f"s3://{BUCKET}/dtypes/",
+        "prefix-no-slash": f"s3://{BUCKET}/dtypes",
+        "list": [f"s3://{BUCKET}/dtypes/{p.name}" for p in every_dtype.shards],
+    }[form]
+    got = streamer.load(source, config=cfg(server))
+    assert_same_dict(got, reference_load(every_dtype.shards))
+    assert list(got) == checkpoint_order(every_dtype.shards)
+
+
+def test_single_object_load_file_open_get_tensor(server: str, single: Written) -> None:
+    uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
+    expected = reference_load(single.shards)
+    assert_same_dict(streamer.load_file(uri, config=cfg(server)), expected)
+    with streamer.open(uri, config=cfg(server), order="checkpoint") as handle:
+        assert handle.files == (uri,)
+        assert handle.keys() == list(expected)
+        streamed = dict(iter(handle))
+        metrics = handle.metrics
+        assert_same_dict({"w5": handle.get_tensor("w5")}, {"w5": expected["w5"]})
+    assert_same_dict(streamed, expected)
+    assert metrics["s3_files"] == 1 and metrics["retries"] == 0
+    assert metrics["requests"] == metrics["blocks"] > 1  # one ranged GET per block
+    assert metrics["bytes_read"] == single.nbytes
+
+
+def test_open_streams_under_a_memory_limit(server: str, every_dtype: Written) -> None:
+    limit = 256 * KiB
+    config = cfg(server, memory_limit=limit)
+    # "huge" is larger than the limit: a warning, then it is read alone
+    with pytest.warns(RuntimeWarning), streamer.open(f"s3://{BUCKET}/dtypes/", config=config) as handle:
+        streamed = {name: tensor.clone() for name, tensor in handle}
+        metrics = handle.metrics
+    assert_same_dict(streamed, reference_load(every_dtype.shards))
+    assert metrics["peak_buffer_bytes"] <= 800 * KiB + limit + 8 * KiB
+
+
+def test_metadata_and_long_header(server: str, every_dtype: Written) -> None:
+    """A header longer than the speculative first GET takes a second one."""
+    with streamer.open(f"s3://{BUCKET}/dtypes/", config=cfg(server, header_bytes=64)) as handle:
+        assert handle.metadata() == {"origin": "s3-test"}
+        got = dict(iter(handle))
+    assert_same_dict(got, reference_load(every_dtype.shards))
+
+
+def test_load_into_existing_tensors(server: str, every_dtype: Written) -> None:
+    expected = reference_load(every_dtype.shards)
+    dest = {name: torch.zeros_like(t) for name, t in expected.items()}
+    result = streamer.load_into(dest, f"s3://{BUCKET}/dtypes/", config=cfg(server, memory_limit=128 * KiB))
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert_same_dict(dest, expected)
+
+
+def test_staged_ring_path(monkeypatch: pytest.MonkeyPatch, server: str, every_dtype: Written) -> None:
+    """The GPU path (ring slots, copies, slot reuse) with the CPU stand-in copy engine."""
+    standin = StandIn(monkeypatch)
+    got = streamer.load(
+        f"s3://{BUCKET}/dtypes/", config=cfg(server, block_size=16 * KiB, memory_limit=64 * KiB)
+    )
+    assert_same_dict(got, reference_load(every_dtype.shards))
+    standin.assert_clean()
+
+
+# --- source errors --------------------------------------------------------------------------------
+
+
+def test_bad_uris_and_missing_things(server: str, single: Written, tmp_path: Path) -> None:
+    c = cfg(server)
+    for bad in ("s3://", "s3:///key.safetensors", "s3://bad bucket/x.safetensors"):
+        with pytest.raises(SourceError, match="bad S3 URI"):
+            streamer.load(bad, config=c)
+    with pytest.raises(S3SourceError, match="no such bucket") as info:
+        streamer.load("s3://no-such-bucket/x.safetensors", config=c)
+    assert info.value.status == 404 and info.value.attempts == 1
+    with pytest.raises(S3SourceError, match="no such object") as info:
+        streamer.load(f"s3://{BUCKET}/single/missing.safetensors", config=c)
+    assert info.value.key == "single/missing.safetensors" and info.value.attempts == 1
+    with pytest.raises(S3SourceError, match=r"no \*\.safetensors object"):
+        streamer.load(f"s3://{BUCKET}/empty-prefix/", config=c)
+    local = write_checkpoint(tmp_path, {"a": torch.ones(3)}, index=False).shards[0]
+    with pytest.raises(SourceError, match="all local or all on S3"):
+        streamer.load([str(local), f"s3://{BUCKET}/single/{single.shards[0].name}"], config=c)
+
+
+def test_index_with_a_missing_shard(server: str, s3: Any) -> None:
+    s3.put_object(
+        Bucket=BUCKET,
+        Key="broken/model.safetensors.index.json",
+        Body=b'{"weight_map": {"a": "model-00001-of-00002.safetensors"}}',
+    )
+    with pytest.raises(S3SourceError, match="index references a missing"):
+        streamer.load(f"s3://{BUCKET}/broken/model.safetensors.index.json", config=cfg(server))
+
+
+def test_not_a_safetensors_object(server: str, s3: Any) -> None:
+    s3.put_object(Bucket=BUCKET, Key="junk/x.safetensors", Body=b"\xff" * 100)
+    with pytest.raises(streamer.HeaderError, match=r"s3://models/junk/x\.safetensors"):
+        streamer.load(f"s3://{BUCKET}/junk/x.safetensors", config=cfg(server))
+    s3.put_object(Bucket=BUCKET, Key="junk/empty.safetensors", Body=b"")
+    with pytest.raises(streamer.HeaderError, match="too short"):
+        streamer.load(f"s3://{BUCKET}/junk/empty.safetensors", config=cfg(server))
+
+
+# --- faults ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["503", "429", "500", "reset", "short", "stall"])
+def test_transient_faults_are_retried(proxy: FaultProxy, single: Written, kind: str) -> None:
+    proxy.inject(kind, times=3)
+    uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
+    with streamer.open(uri, config=cfg(proxy.endpoint_url)) as handle:
+        got = dict(iter(handle))
+        metrics = handle.metrics
+    assert_same_dict(got, reference_load(single.shards))
+    assert proxy.injected == 3
+    assert metrics["retries"] == 3, metrics
+    assert metrics["requests"] == metrics["blocks"] + 3
+
+
+def test_faults_on_the_header_read_are_retried(proxy: FaultProxy, single: Written) -> None:
+    proxy.inject("503", times=2, match=any_get)
+    got = streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(proxy.endpoint_url))
+    assert_same_dict(got, reference_load(single.shards))
+    assert proxy.injected == 2
+
+
+@pytest.fixture
+def no_leaks(single: Written, server: str) -> Iterator[None]:
+    """The process has the same threads and descriptors after the test as before (after a warm-up)."""
+    streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(server))
+    gc.collect()
+    threads, fds, files = thread_count(), fd_count(), open_files()
+    yield
+    gc.collect()
+    deadline = time.monotonic() + 5  # moto's own handler threads finish their last response
+    while (thread_count(), fd_count()) != (threads, fds) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    names = sorted(t.name for t in threading.enumerate())
+    assert thread_count() == threads, f"threads leaked: {thread_count() - threads}; now {names}"
+    assert fd_count() == fds, f"descriptors leaked: {sorted(set(open_files()) ^ set(files))}"
+    assert not [t for t in threading.enumerate() if t.name == "streamer-s3"]
+
+
+@pytest.mark.parametrize("kind", ["503", "reset", "stall"])
+def test_persistent_faults_fail_typed_within_the_deadline(
+    server: str, single: Written, no_leaks: None, kind: str
+) -> None:
+    host, port = server.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port)), stall_seconds=3.0)
+    try:
+        proxy.inject(kind, times=None)
+        started = time.monotonic()
+        with pytest.raises(S3Error) as info:
+            streamer.load(
+                f"s3://{BUCKET}/single/{single.shards[0].name}",
+                config=cfg(proxy.endpoint_url, max_attempts=3),
+            )
+        elapsed = time.monotonic() - started
+    finally:
+        proxy.close()
+    error = info.value
+    assert not isinstance(error, SourceError)
+    assert error.attempts == 3 and error.bucket == BUCKET and error.key == f"single/{single.shards[0].name}"
+    assert error.byte_range is not None and error.byte_range[0] < error.byte_range[1]
+    assert f"bytes {error.byte_range[0]}-" in str(error) and "3 attempts" in str(error)
+    if kind == "503":
+        assert error.status == 503 and error.code == "SlowDown" and "HTTP 503 SlowDown" in str(error)
+    assert elapsed < 3 * 1.0 * 3 + 10  # three tries, each at most one read timeout (+ stall slack)
+
+
+def test_retry_deadline_bounds_the_retries(server: str, single: Written, no_leaks: None) -> None:
+    host, port = server.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port)))
+    try:
+        proxy.inject("503", times=None)
+        started = time.monotonic()
+        with pytest.raises(S3Error, match="gave up after 1 s"):
+            streamer.load(
+                f"s3://{BUCKET}/single/{single.shards[0].name}",
+                config=cfg(proxy.endpoint_url, max_attempts=1000, retry_deadline=1.0, backoff_base=0.05),
+            )
+        assert time.monotonic() - started < 5
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("kind", ["403", "404"])
+def test_denied_or_missing_data_fails_at_once(proxy: FaultProxy, single: Written, kind: str) -> None:
+    proxy.inject(kind, times=None)
+    with pytest.raises(S3Error) as info:
+        streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(proxy.endpoint_url))
+    assert info.value.attempts == 1 and info.value.status == int(kind)
+
+
+def test_denied_at_open_is_a_source_error(proxy: FaultProxy, single: Written) -> None:
+    proxy.inject("403", times=None, match=any_get)
+    with pytest.raises(S3SourceError, match="access denied") as info:
+        streamer.open(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(proxy.endpoint_url))
+    assert info.value.attempts == 1 and info.value.status == 403
+    assert proxy.injected == 1
+
+
+def test_object_replaced_during_the_load_is_an_error(
+    server: str, s3: Any, tmp_path: Path, no_leaks: None
+) -> None:
+    g = torch.Generator().manual_seed(3)
+    first = write_checkpoint(tmp_path / "a", {"x": random_tensor((64 * KiB,), torch.float32, g)}, index=False)
+    second = write_checkpoint(
+        tmp_path / "b", {"x": random_tensor((64 * KiB,), torch.float32, g)}, index=False
+    )
+    s3.upload_file(str(first.shards[0]), BUCKET, "replaced/model.safetensors")
+    with streamer.open(f"s3://{BUCKET}/replaced/model.safetensors", config=cfg(server)) as handle:
+        s3.upload_file(str(second.shards[0]), BUCKET, "replaced/model.safetensors")  # same layout
+        with pytest.raises(S3Error, match="changed during the load") as info:
+            dict(iter(handle))
+    assert info.value.attempts == 1
+
+
+def test_early_exit_and_failure_leave_nothing_behind(
+    server: str, every_dtype: Written, no_leaks: None, proxy: FaultProxy
+) -> None:
+    """(no_leaks before proxy: its check runs after the proxy has joined its handler threads)"""
+    with streamer.open(f"s3://{BUCKET}/dtypes/", config=cfg(server)) as handle:
+        for _ in handle:
+            break
+    proxy.inject("404", times=None)
+    with pytest.raises(S3Error):
+        streamer.load(f"s3://{BUCKET}/dtypes/", config=cfg(proxy.endpoint_url))
+
+
+# --- credentials --------------------------------------------------------------------------------
+
+
+def test_credentials_never_leak(
+    proxy: FaultProxy, single: Written, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    config = cfg(proxy.endpoint_url, max_attempts=2)
+    texts = [repr(config), str(config), repr(config.s3)]
+    uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
+    streamer.load(uri, config=config)
+    for failing in ("503", "403"):
+        proxy.clear()
+        proxy.inject(failing, times=None, match=any_get)
+        with pytest.raises(S3Error) as info:
+            streamer.load(uri, config=config)
+        texts += [str(info.value), repr(info.value), repr(info.value.__dict__)]
+    captured = capsys.readouterr()
+    texts += [caplog.text, captured.out, captured.err]
+    assert "***" in repr(config.s3)
+    for text in texts:
+        assert SECRET_KEY not in text and TOKEN not in text
+        assert ACCESS_KEY not in text
+
+
+def test_config_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("STREAMER_S3_CONCURRENCY", "7")
+    monkeypatch.setenv("STREAMER_S3_ADDRESSING_STYLE", "virtual")
+    monkeypatch.setenv("STREAMER_S3_ANONYMOUS", "1")
+    monkeypatch.setenv("STREAMER_S3_MAX_ATTEMPTS", "3")
+    monkeypatch.setenv("STREAMER_S3_RETRY_DEADLINE", "9.5")
+    c = S3Config()
+    assert (c.endpoint_url, c.concurrency, c.addressing_style, c.anonymous) == (
+        "http://127.0.0.1:1",
+        7,
+        "virtual",
+        True,
+    )
+    assert (c.max_attempts, c.retry_deadline) == (3, 9.5)
+    monkeypatch.setenv("STREAMER_S3_ADDRESSING_STYLE", "sideways")
+    with pytest.raises(streamer.ConfigError):
+        S3Config()
+    with pytest.raises(streamer.ConfigError):
+        S3Config(access_key_id="only-half")
+
+
+def test_anonymous_access(server: str, s3: Any, single: Written) -> None:
+    """Unsigned requests to a public object: no credentials are looked up at all."""
+    s3.upload_file(
+        str(single.shards[0]), BUCKET, "public/model.safetensors", ExtraArgs={"ACL": "public-read"}
+    )
+    got = streamer.load(
+        f"s3://{BUCKET}/public/model.safetensors",
+        config=cfg(server, anonymous=True, access_key_id=None, secret_access_key=None, session_token=None),
+    )
+    assert_same_dict(got, reference_load(single.shards))
+
+
+def test_import_stays_lazy() -> None:
+    import subprocess
+    import sys
+
+    code = "import streamer, sys; print('aiobotocore' in sys.modules or 'botocore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "False"
+
+
+def test_safetensors_reference_matches_upload(s3: Any, single: Written, tmp_path: Path) -> None:
+    """The uploaded bytes are the local file's (so the bit-exact tests compare the right thing)."""
+    path = tmp_path / "down.safetensors"
+    s3.download_file(BUCKET, f"single/{single.shards[0].name}", str(path))
+    assert path.read_bytes() == single.shards[0].read_bytes()
+    assert_same_dict(safetensors.torch.load_file(str(path)), single.tensors)
