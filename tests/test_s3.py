@@ -408,6 +408,31 @@ def test_credentials_never_leak(
         assert ACCESS_KEY not in text
 
 
+def test_credentials_from_the_environment_never_leak(
+    proxy: FaultProxy,
+    single: Written,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Credentials boto3's chain finds (here: the environment) are masked in botocore's DEBUG logs too."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", TOKEN)
+    caplog.set_level(logging.DEBUG)
+    chain = s3_config(proxy.endpoint_url, access_key_id=None, secret_access_key=None, session_token=None)
+    config = StreamerConfig(concurrency=2, block_size=64 * KiB, s3=chain)
+    uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
+    streamer.load(uri, config=config)
+    proxy.inject("403", times=None, match=any_get)
+    with pytest.raises(S3Error) as info:
+        streamer.load(uri, config=config)
+    captured = capsys.readouterr()
+    assert "botocore" in caplog.text  # DEBUG records were captured
+    for text in (caplog.text, captured.out, captured.err, str(info.value), repr(info.value.__dict__)):
+        assert SECRET_KEY not in text and TOKEN not in text and ACCESS_KEY not in text
+
+
 def test_config_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
     monkeypatch.setenv("STREAMER_S3_CONCURRENCY", "7")

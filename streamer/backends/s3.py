@@ -324,6 +324,21 @@ class S3Client:
             **credentials,
         )
         self._client = await self._context.__aenter__()
+        if not credentials and not c.anonymous:
+            await self._redact_resolved_credentials(session)
+
+    async def _redact_resolved_credentials(self, session: Any) -> None:
+        """Masks what boto3's chain found (environment, profile, role) like explicit credentials.
+
+        The session caches what it resolved, so these are the credentials the client signs with.
+        """
+        resolved = await session.get_credentials()
+        if resolved is None:
+            return
+        frozen = await resolved.get_frozen_credentials()
+        found = [s for s in (frozen.access_key, frozen.secret_key, frozen.token) if s]
+        _REDACTOR.add(found)
+        self._secrets = [*self._secrets, *found]
 
     def close(self) -> None:
         """Cancels running requests, closes the client and its connections, stops the thread. Idempotent."""
