@@ -54,11 +54,22 @@ def vllm_env(multiprocess: bool) -> dict[str, str]:
 
 
 def run_llm(
-    model: Path, load_format: str, extra: dict[str, Any] | None, cwd: Path, *, multiprocess: bool = False
+    model: Path,
+    load_format: str,
+    extra: dict[str, Any] | None,
+    cwd: Path,
+    *,
+    multiprocess: bool = False,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     args = [sys.executable, str(RUN_LLM), str(model), load_format, json.dumps(extra or {})]
     return subprocess.run(
-        args, cwd=cwd, env=vllm_env(multiprocess), capture_output=True, text=True, timeout=RUN_TIMEOUT
+        args,
+        cwd=cwd,
+        env=vllm_env(multiprocess) | (env or {}),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
     )
 
 
@@ -116,11 +127,7 @@ def test_weights_elsewhere_sharded_with_every_key(
     model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path
 ) -> None:
     """--model holds only config and tokenizer; the weights are shards + index somewhere else."""
-    config_only = tmp_path / "config-only"
-    config_only.mkdir()
-    for path in model_dir.iterdir():
-        if not path.name.endswith(".safetensors"):
-            shutil.copy(path, config_only / path.name)
+    config_only = config_only_copy(model_dir, tmp_path)
     weights = tmp_path / "weights"
     tensors = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
     names = sorted(tensors)
@@ -134,6 +141,47 @@ def test_weights_elsewhere_sharded_with_every_key(
     extra = {"weights": str(weights), "concurrency": 2, "block_size": "64KiB", "memory_limit": "256KiB"}
     result = result_of(run_llm(config_only, "streamer", extra, scratch))
     assert result["token_ids"] == reference["token_ids"]
+
+
+def config_only_copy(model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the model directory without its safetensors: what ``--model`` points at."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    for path in model_dir.iterdir():
+        if not path.name.endswith(".safetensors"):
+            shutil.copy(path, config_only / path.name)
+    return config_only
+
+
+def test_weights_from_s3(model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    """``weights: s3://…`` with the S3 store given by the standard AWS environment variables."""
+    boto3 = pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+        }
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name="us-east-1",
+        )
+        s3.create_bucket(Bucket="models")
+        s3.upload_file(str(model_dir / "model.safetensors"), "models", "tiny/model.safetensors")
+        extra = {"weights": "s3://models/tiny/"}
+        proc = run_llm(config_only_copy(model_dir, tmp_path), "streamer", extra, scratch, env=env)
+        assert result_of(proc)["token_ids"] == reference["token_ids"]
+        assert "from s3://models/tiny/" in proc.stderr + proc.stdout
+    finally:
+        server.stop()
 
 
 def test_bad_extra_config_key(model_dir: Path, scratch: Path) -> None:
