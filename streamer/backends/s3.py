@@ -387,31 +387,22 @@ class S3Client:
                 raise
             except Exception as exc:
                 kind = _classify(exc)
+                where: dict[str, Any] = {
+                    "bucket": uri.bucket,
+                    "key": uri.key,
+                    "byte_range": byte_range,
+                    "status": kind.status,
+                    "code": kind.code,
+                    "attempts": attempts,
+                }
                 if isinstance(kind, _Fatal):
                     gone = source_errors and (kind.status in (403, 404) or kind.code in _GONE_CODES)
-                    error_type = S3SourceError if gone else S3Error
-                    raise error_type(
-                        kind.reason,
-                        bucket=uri.bucket,
-                        key=uri.key,
-                        byte_range=byte_range,
-                        status=kind.status,
-                        code=kind.code,
-                        attempts=attempts,
-                    ) from None
+                    raise (S3SourceError if gone else S3Error)(kind.reason, **where) from None
                 delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
                 out_of_time = time.monotonic() - started + delay > c.retry_deadline
                 if attempts >= c.max_attempts or out_of_time:
                     why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
-                    raise S3Error(
-                        f"{why}: {kind.reason}",
-                        bucket=uri.bucket,
-                        key=uri.key,
-                        byte_range=byte_range,
-                        status=kind.status,
-                        code=kind.code,
-                        attempts=attempts,
-                    ) from None
+                    raise S3Error(f"{why}: {kind.reason}", **where) from None
                 self.retries += 1
                 await asyncio.sleep(delay)
 

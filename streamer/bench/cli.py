@@ -32,7 +32,7 @@ from streamer.bench.loaders import (
     settings_for,
 )
 from streamer.bench.machine import facts
-from streamer.bench.units import format_bytes, parse_size
+from streamer.bench.units import format_bytes, parse_size, positive_int
 
 DEFAULT_SYNTHETIC = "1GiB"
 DISTRIBUTIONS = {
@@ -54,16 +54,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _choices(allowed: Sequence[str], what: str) -> Any:
@@ -127,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_size,
         help=f"generate a Llama-like bf16 checkpoint of SIZE (e.g. 4GiB; default {DEFAULT_SYNTHETIC})",
     )
-    p.add_argument("--shards", type=_positive, help="files of the synthetic checkpoint (default 2)")
+    p.add_argument("--shards", type=positive_int, help="files of the synthetic checkpoint (default 2)")
     p.add_argument(
         "--keep",
         metavar="DIR",
@@ -150,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warm", action="store_true", help="have the files fully cached before every run (verified)"
     )
-    p.add_argument("--repeat", type=_positive, default=3, help="runs per setting, interleaved (default 3)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="runs per setting, interleaved (default 3)")
     p.add_argument(
         "--sweep",
         type=_sweep,
@@ -191,7 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="measure read ceilings in Python even if fio exists",
     )
     p.add_argument(
-        "--timeout", type=_positive, default=1800, metavar="S", help="seconds one run may take (default 1800)"
+        "--timeout",
+        type=positive_int,
+        default=1800,
+        metavar="S",
+        help="seconds one run may take (default 1800)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p

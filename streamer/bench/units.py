@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -31,3 +32,14 @@ def format_bytes(n: float) -> str:
 def gbps(nbytes: int, seconds: float) -> float:
     """Decimal GB/s, the unit storage and memory bandwidth are quoted in."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1, with a usage error that says so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

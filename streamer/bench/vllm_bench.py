@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from streamer.bench import cache
-from streamer.bench.units import format_bytes
+from streamer.bench.units import format_bytes, positive_int
 
 SCHEMA_ID = "streamer-bench-vllm/1"
 SCHEMA_PATH = Path(__file__).with_name("vllm_schema.json")
@@ -62,16 +62,6 @@ def _formats(text: str) -> list[str]:
             f"bad load-format list {text!r} (example: {','.join(DEFAULT_FORMATS)})"
         )
     return list(dict.fromkeys(items))
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _fraction(text: str) -> float:
@@ -109,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_FORMATS),
         help=f"comma-separated vLLM load formats (default {','.join(DEFAULT_FORMATS)})",
     )
-    p.add_argument("--repeat", type=_positive, default=3, help="runs per format, interleaved (default 3)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="runs per format, interleaved (default 3)")
     p.add_argument(
         "--python",
         default=sys.executable,
@@ -132,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let vLLM compile the model (default: enforce_eager, so compilation does not drown the load)",
     )
-    p.add_argument("--max-model-len", type=_positive, default=256, help="vLLM max_model_len (default 256)")
+    p.add_argument("--max-model-len", type=positive_int, default=256, help="vLLM max_model_len (default 256)")
     p.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
@@ -140,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", metavar="FILE", type=Path, help=f"write every run ({SCHEMA_ID}) to FILE")
     p.add_argument(
-        "--timeout", type=_positive, default=1800, metavar="S", help="seconds one run may take (default 1800)"
+        "--timeout",
+        type=positive_int,
+        default=1800,
+        metavar="S",
+        help="seconds one run may take (default 1800)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p
