@@ -790,7 +790,7 @@ static void test_memory_and_residency(void) {
     uint64_t resident = 0;
     uint64_t total = 0;
     int32_t sys_errno = -1;
-    CHECK_EQ(se_resident_bytes(f.path, &resident, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(f.path, 1, &resident, &total, &sys_errno), SE_OK);
     CHECK_EQ(total, size);
     CHECK(resident > 0 && resident <= size);
 
@@ -798,19 +798,44 @@ static void test_memory_and_residency(void) {
     int len = snprintf(missing, sizeof(missing), "%s.missing", f.path);
     CHECK(len > 0 && (size_t)len < sizeof(missing));
     sys_errno = -1;
-    CHECK_EQ(se_resident_bytes(missing, &resident, &total, &sys_errno), SE_ERR_OPEN);
+    CHECK_EQ(se_resident_bytes(missing, 1, &resident, &total, &sys_errno), SE_ERR_OPEN);
     CHECK_EQ(sys_errno, ENOENT);
 
     temp_file empty;
     temp_create(&empty, data, 0);
     resident = 1;
     total = 1;
-    CHECK_EQ(se_resident_bytes(empty.path, &resident, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(empty.path, 1, &resident, &total, &sys_errno), SE_OK);
     CHECK_EQ(total, 0);
     CHECK_EQ(resident, 0);
+    CHECK_EQ(se_resident_bytes(f.path, 0, &resident, &total, &sys_errno), SE_ERR_INVALID);
 
     temp_remove(&empty);
     free(back);
+    temp_remove(&f);
+    free(data);
+}
+
+/* 9b. A sampled residency count equals the exact one when the cached part is whole windows:
+ * the second half of an 8 MiB file is evicted (where the filesystem lets it be), so every
+ * other 1 MiB window is looked at and each stands for the one after it. */
+static void test_sampled_residency(void) {
+    const uint64_t size = 8 * MIB;
+    unsigned char *data = random_bytes(size, 12);
+    temp_file f;
+    temp_create(&f, data, size);
+    CHECK(fdatasync(f.fd) == 0);
+    CHECK(posix_fadvise(f.fd, (off_t)(size / 2), (off_t)(size / 2), POSIX_FADV_DONTNEED) == 0);
+    uint64_t exact = 0;
+    uint64_t sampled = 0;
+    uint64_t total = 0;
+    int32_t sys_errno = -1;
+    CHECK_EQ(se_resident_bytes(f.path, 1, &exact, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(f.path, 2, &sampled, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, size);
+    CHECK_EQ(sampled, exact);
+    CHECK_EQ(se_resident_bytes(f.path, 1000, &sampled, &total, &sys_errno), SE_OK);
+    CHECK(sampled == 0 || sampled == size); /* one window, the first, stands for the file */
     temp_remove(&f);
     free(data);
 }
@@ -1075,6 +1100,7 @@ int main(void) {
     RUN(test_cancel);
     RUN(test_create_destroy);
     RUN(test_memory_and_residency);
+    RUN(test_sampled_residency);
     RUN(test_stats);
     RUN(test_stress);
     RUN(test_add_files_while_reading);

@@ -44,7 +44,8 @@ void se_engine_cancel(se_engine *engine);
 void se_engine_destroy(se_engine *engine);
 void *se_alloc(size_t size, int32_t hugepage);
 void se_free(void *ptr, size_t size, int32_t hugepage);
-int32_t se_resident_bytes(const char *path, uint64_t *resident, uint64_t *total, int32_t *sys_errno);
+int32_t se_resident_bytes(const char *path, uint32_t sample_every, uint64_t *resident, uint64_t *total,
+                          int32_t *sys_errno);
 """
 
 OK = 0
@@ -273,12 +274,12 @@ def address(memory: Any) -> int:
     return int(ffi.cast("uintptr_t", memory))
 
 
-def resident_bytes(path: str) -> tuple[int, int]:
-    """(bytes in the page cache, file size). Raises OSError."""
+def resident_bytes(path: str, sample_every: int = 1) -> tuple[int, int]:
+    """(bytes cached, file size) or OSError; ``sample_every`` N > 1 estimates from every Nth MiB."""
     resident = ffi.new("uint64_t *")
     total = ffi.new("uint64_t *")
     sys_errno = ffi.new("int32_t *")
-    status = _lib().se_resident_bytes(os.fsencode(path), resident, total, sys_errno)
+    status = _lib().se_resident_bytes(os.fsencode(path), sample_every, resident, total, sys_errno)
     if status != OK:
         code = sys_errno[0]
         raise OSError(code, os.strerror(code) if code else f"engine status {status}", path)
