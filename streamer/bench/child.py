@@ -29,7 +29,8 @@ from typing import Any
 from streamer.bench.checkpoint import is_remote
 
 RESULT_MARK = "@@streamer-bench@@ "
-HIDE_ENV = "STREAMER_BENCH_HIDE"  # comma-separated loaders to treat as not installed (tests)
+# Comma-separated loaders, or modules a loader needs for S3, to treat as not installed (tests).
+HIDE_ENV = "STREAMER_BENCH_HIDE"
 
 Tensors = dict[str, Any]
 
@@ -267,7 +268,9 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _importable(module: str) -> bool:
+def _importable(module: str, hidden: set[str]) -> bool:
+    if module in hidden:
+        return False
     try:
         _module(module)
     except Exception:  # missing or broken: either way it cannot read S3 here
@@ -305,7 +308,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
             continue
         entry["available"] = True
         entry["features"]["s3_missing"] = [
-            m for m in request["s3_modules"].get(name, []) if not _importable(m)
+            m for m in request["s3_modules"].get(name, []) if not _importable(m, hidden)
         ]
         entry["version"] = getattr(mod, "__version__", None)
         for dist in request["distributions"].get(name, []):
