@@ -94,6 +94,19 @@ def s3_server() -> Iterator[str]:
         srv.stop()
 
 
+def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:
+    """A boto3 client of the test server, for setting up buckets and objects."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+    )
+
+
 # Taken at import, before any fixture runs. STREAMER_* knobs must not leak into the CLI runs,
 # except the pointer at a developer's build of the native engine.
 BENCH_ENV = {
@@ -113,6 +126,16 @@ def bench(
         timeout=timeout,
         cwd=tempfile.gettempdir(),
     )
+
+
+def bench_report(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """A successful ``bench`` run writing ``out/result.json`` and ``out/result.png``: the process
+    (``proc``), the parsed JSON (``json``) and ``out``."""
+    proc = bench(
+        *args, "--json", str(out / "result.json"), "--plot", str(out / "result.png"), env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
 
 
 # --- tensors and comparison -----------------------------------------------------------------

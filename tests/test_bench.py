@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import BENCH_ENV, bench
+from conftest import BENCH_ENV, bench, bench_report
 
 from streamer.bench import cache, ceilings, cli, report, runner, synthetic
 from streamer.bench.checkpoint import resolve
@@ -28,7 +28,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    proc = bench(
+    return bench_report(
+        out,
         "--synthetic",
         "4MiB",
         "--shards",
@@ -45,14 +46,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "default",
         "--safetensors-backends",
         "mmap",
-        "--json",
-        str(out / "result.json"),
-        "--plot",
-        str(out / "result.png"),
         env={"STREAMER_BENCH_HIDE": "fastsafetensors"},  # a peer that is "not installed", for sure
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
 
 
 def test_table_is_printed(run: dict[str, Any]) -> None:

@@ -13,12 +13,12 @@ import socket
 from typing import Any
 
 import pytest
-from conftest import bench
+from conftest import bench, bench_report, s3_client
 
 from streamer.bench import report, synthetic
 from streamer.bench.checkpoint import SourceProblem, SourceUnreachable, resolve
 
-boto3 = pytest.importorskip("boto3")
+pytest.importorskip("boto3")
 
 BUCKET = "bench"
 ACCESS_KEY = "AKIDBENCHSENTINEL"
@@ -41,13 +41,7 @@ def checkpoint(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> synt
     """A 4 MiB Llama-like checkpoint in two shards with its index under s3://bench/model/, one
     shard alone under s3://bench/one/, and a prefix with no safetensors object."""
     made = synthetic.generate(tmp_path_factory.mktemp("s3bench"), 4 << 20, 2)
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        region_name="us-east-1",
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    )
+    s3 = s3_client(s3_server, ACCESS_KEY, SECRET_KEY)
     s3.create_bucket(Bucket=BUCKET)
     for path in [*made.files, made.index]:
         s3.upload_file(str(path), BUCKET, f"model/{path.name}")
@@ -67,8 +61,8 @@ def aws_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def run(s3_server: str, checkpoint: synthetic.Synthetic, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    out = tmp_path_factory.mktemp("s3run")
-    proc = bench(
+    return bench_report(
+        tmp_path_factory.mktemp("s3run"),
         "--source",
         f"s3://{BUCKET}/model/",
         "--loaders",
@@ -77,14 +71,8 @@ def run(s3_server: str, checkpoint: synthetic.Synthetic, tmp_path_factory: pytes
         "1",
         "--safetensors-backends",
         "mmap",
-        "--json",
-        str(out / "result.json"),
-        "--plot",
-        str(out / "result.png"),
         env=aws_variables(s3_server),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
 
 
 # --- resolution -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from conftest import (
     open_files,
     random_tensor,
     reference_load,
+    s3_client,
     thread_count,
     write_checkpoint,
 )
@@ -39,7 +40,7 @@ from s3_faults import FaultProxy, any_get
 import streamer
 from streamer import S3Config, S3Error, S3SourceError, SourceError, StreamerConfig
 
-boto3 = pytest.importorskip("boto3")
+pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
 
 BUCKET = "models"
@@ -53,13 +54,7 @@ TOKEN = "session-token-SENTINEL-77"
 
 @pytest.fixture(scope="module")
 def s3(s3_server: str) -> Any:
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_server,
-        region_name="us-east-1",
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    )
+    client = s3_client(s3_server, ACCESS_KEY, SECRET_KEY)
     client.create_bucket(Bucket=BUCKET)
     return client
 
