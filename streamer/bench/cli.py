@@ -139,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--loaders",
         type=_choices(ALL_LOADERS, "loader"),
-        help=f"comma-separated, default all: {','.join(ALL_LOADERS)} (boto3, plain ranged GETs, "
-        "is the S3 ceiling: S3 sources only)",
+        help=f"comma-separated from {','.join(ALL_LOADERS)}; default: all (boto3, plain ranged GETs, "
+        "is the S3 ceiling: by default only for S3 sources)",
     )
     p.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda:N")
     p.add_argument(
