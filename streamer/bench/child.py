@@ -201,7 +201,7 @@ def _prepare_boto3(request: dict[str, Any]) -> Prepared:
             uri: torch.frombuffer(b, dtype=torch.uint8)
             for uri, b in zip(request["files"], buffers, strict=True)
         }
-        note = f"{connections} connections, {s3peers.RANGE_BYTES >> 20} MiB ranged GETs, whole objects"
+        note = f"{connections} connections, {s3peers.RANGE_BYTES >> 20} MiB ranged GETs into CPU memory"
         return Loaded(objects, notes=[note], keepalive=buffers)
 
     return run
