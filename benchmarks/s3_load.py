@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,22 +79,23 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
     elif loader == "boto3":
         import boto3
 
+        from streamer.bench import s3peers
+
+        connections, range_bytes = request["connections"], request["range_mib"] * MiB
         start = time.perf_counter()
-        total = _boto3_ranged(endpoint, uris, request["connections"], request["range_mib"] * MiB)
+        buffers = s3peers.ranged_get(_client(endpoint, connections), uris, connections, range_bytes)
         seconds = time.perf_counter() - start
-        return {"seconds": seconds, "bytes": total}
+        return {"seconds": seconds, "bytes": sum(len(b) for b in buffers)}
     elif loader == "download":
         import boto3  # noqa: F401
         import safetensors.torch
 
+        from streamer.bench import s3peers
+
         with tempfile.TemporaryDirectory(dir=request.get("tmp")) as directory:
             start = time.perf_counter()
-            client = _boto3_client(endpoint, 10)
             tensors = {}
-            for uri in uris:
-                key = uri.split("/", 3)[3]
-                path = os.path.join(directory, os.path.basename(key))
-                client.download_file(BUCKET, key, path)
+            for path in s3peers.download(_client(endpoint, 10), uris, Path(directory)):
                 # load_file gives views of a file mapping: copy them into owned memory
                 tensors.update({k: v.clone() for k, v in safetensors.torch.load_file(path).items()})
             seconds = time.perf_counter() - start
@@ -105,65 +104,12 @@ def _child(request: dict[str, Any]) -> dict[str, Any]:
     return {"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
 
-def _boto3_client(endpoint: str, pool: int) -> Any:
-    import boto3
-    from botocore.config import Config
+def _client(endpoint: str, pool: int) -> Any:
+    from streamer.bench import s3peers
+    from streamer.config import S3Config
 
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        region_name="us-east-1",
-        config=Config(
-            max_pool_connections=max(pool, 10),
-            s3={"addressing_style": "path"},
-            retries={"total_max_attempts": 1},
-            response_checksum_validation="when_required",
-        ),
-    )
-
-
-def _boto3_ranged(endpoint: str, uris: list[str], connections: int, range_bytes: int) -> int:
-    """Every byte of every object with ranged GETs on ``connections`` threads into fresh memory."""
-    client = _boto3_client(endpoint, connections)
-    jobs: list[tuple[memoryview, str, int, int]] = []
-    buffers = []
-    for uri in uris:
-        key = uri.split("/", 3)[3]
-        size = client.head_object(Bucket=BUCKET, Key=key)["ContentLength"]
-        buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buffers.append(buffer)
-        view = memoryview(buffer)
-        jobs += [(view, key, o, min(o + range_bytes, size)) for o in range(0, size, range_bytes)]
-    lock = threading.Lock()
-    failures: list[BaseException] = []
-
-    def work() -> None:
-        while True:
-            with lock:
-                if not jobs:
-                    return
-                view, key, begin, end = jobs.pop(0)
-            try:
-                body = client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={begin}-{end - 1}")["Body"]
-                position = begin
-                while position < end:
-                    chunk = body.read(min(MiB, end - position))
-                    if not chunk:
-                        raise OSError("short body")
-                    view[position : position + len(chunk)] = chunk
-                    position += len(chunk)
-            except BaseException as exc:
-                failures.append(exc)
-                return
-
-    threads = [threading.Thread(target=work) for _ in range(connections)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
-    return sum(len(b) for b in buffers)
+    config = S3Config(endpoint_url=endpoint, addressing_style="path", region="us-east-1")
+    return s3peers.client(config, pool)
 
 
 # --- parent ---------------------------------------------------------------------------------------
@@ -184,7 +130,7 @@ def _start_servers(tools: Path) -> None:
 
 
 def _upload(directory: Path, files: list[Path], index: Path, prefix: str) -> None:
-    client = _boto3_client(STORE, 10)
+    client = _client(STORE, 10)
     try:
         client.head_bucket(Bucket=BUCKET)
     except Exception:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import logging
 import os
 import signal
 import struct
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +75,67 @@ def config(**overrides: Any) -> StreamerConfig:
     }
     values.update(overrides)
     return StreamerConfig(**values)
+
+
+# --- servers and command lines ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on a free loopback port (real HTTP); yields its endpoint URL."""
+    moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    srv.start()
+    host, port = srv.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        srv.stop()
+
+
+def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:
+    """A boto3 client of the test server, for setting up buckets and objects."""
+    import boto3
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=access_key,
+        aws_secret_access_key=secret_key,
+    )
+
+
+# Taken at import, before any fixture runs. STREAMER_* knobs must not leak into the CLI runs,
+# except the pointer at a developer's build of the native engine.
+BENCH_ENV = {
+    k: v for k, v in os.environ.items() if not k.startswith("STREAMER_") or k == "STREAMER_NATIVE_LIB"
+}
+
+
+def bench(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python -m streamer.bench ARGS`` of the installed package (run outside the checkout)."""
+    return subprocess.run(
+        [sys.executable, "-m", "streamer.bench", *args],
+        capture_output=True,
+        text=True,
+        env=BENCH_ENV | (env or {}),
+        timeout=timeout,
+        cwd=tempfile.gettempdir(),
+    )
+
+
+def bench_report(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """A successful ``bench`` run writing ``out/result.json`` and ``out/result.png``: the process
+    (``proc``), the parsed JSON (``json``) and ``out``."""
+    proc = bench(
+        *args, "--json", str(out / "result.json"), "--plot", str(out / "result.png"), env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
 
 
 # --- tensors and comparison -----------------------------------------------------------------

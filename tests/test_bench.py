@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import shutil
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import BENCH_ENV, bench, bench_report
 
 from streamer.bench import cache, ceilings, cli, report, runner, synthetic
 from streamer.bench.checkpoint import resolve
@@ -26,29 +24,12 @@ from streamer.bench.loaders import Setting
 MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-# Taken before any fixture runs. STREAMER_* knobs must not leak into the runs, except the
-# pointer at a developer's build of the native engine.
-_ENV = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_") or k == "STREAMER_NATIVE_LIB"}
-
-
-def bench(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 300
-) -> subprocess.CompletedProcess[str]:
-    """``python -m streamer.bench ARGS`` of the installed package (run outside the checkout)."""
-    return subprocess.run(
-        [sys.executable, "-m", "streamer.bench", *args],
-        capture_output=True,
-        text=True,
-        env=_ENV | (env or {}),
-        timeout=timeout,
-        cwd=tempfile.gettempdir(),
-    )
-
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("bench")
-    proc = bench(
+    return bench_report(
+        out,
         "--synthetic",
         "4MiB",
         "--shards",
@@ -65,14 +46,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "default",
         "--safetensors-backends",
         "mmap",
-        "--json",
-        str(out / "result.json"),
-        "--plot",
-        str(out / "result.png"),
         env={"STREAMER_BENCH_HIDE": "fastsafetensors"},  # a peer that is "not installed", for sure
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
 
 
 def test_table_is_printed(run: dict[str, Any]) -> None:
@@ -141,8 +116,8 @@ def test_cold_runs_started_from_an_empty_page_cache(run: dict[str, Any]) -> None
 
 def test_eviction_is_real(run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Cross-checks make_cold with util-linux fincore (independent of streamer's mincore)."""
-    if "STREAMER_NATIVE_LIB" in _ENV:  # a developer build of the engine (conftest strips STREAMER_*)
-        monkeypatch.setenv("STREAMER_NATIVE_LIB", _ENV["STREAMER_NATIVE_LIB"])
+    if "STREAMER_NATIVE_LIB" in BENCH_ENV:  # a developer build of the engine (conftest strips STREAMER_*)
+        monkeypatch.setenv("STREAMER_NATIVE_LIB", BENCH_ENV["STREAMER_NATIVE_LIB"])
     files = [Path(f["path"]) for f in run["json"]["checkpoint"]["files"]]
     assert cache.make_warm(files) == 0
     assert cache.resident_bytes(files) > 0  # (a VM balloon may take a page back at any time)
@@ -163,7 +138,7 @@ def test_a_cold_figure_is_refused_when_eviction_fails(
     made = synthetic.generate(tmp_path, 256 * 1024, 1)
     monkeypatch.setattr(cache, "make_cold", lambda files: 4096)
     monkeypatch.setattr(runner, "call_child", lambda *a, **k: pytest.fail("a child ran"))
-    config = runner.Config(Setting("streamer"), made.files, str(made.index))
+    config = runner.Config(Setting("streamer"), [str(f) for f in made.files], str(made.index))
     runner.run_section(
         [config], "cold", 2, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None
     )
@@ -183,7 +158,9 @@ def test_a_cold_figure_is_refused_when_eviction_fails(
         ["--sweep", "threads=1,2"],
         ["--sweep", "concurrency=0"],
         ["--source", "a.safetensors", "--synthetic", "1GiB"],
-        ["--source", "s3://bucket/model"],
+        ["--source", "s3://bucket/model", "--cold"],
+        ["--source", "s3://bucket/model", "--warm"],
+        ["--source", "gs://bucket/model"],
         ["--source", "model.safetensors", "--shards", "3"],
         ["--safetensors-backends", "zip"],
         ["--no-such-flag"],
@@ -199,8 +176,6 @@ def test_bad_arguments_are_usage_errors(args: list[str], capsys: pytest.CaptureF
 def test_bad_arguments_exit_2_from_the_command_line() -> None:
     proc = bench("--repeat", "0", timeout=120)
     assert proc.returncode == 2 and "usage: streamer-bench" in proc.stderr
-    proc = bench("--source", "s3://bucket/model", timeout=120)
-    assert proc.returncode == 2 and "not supported yet" in proc.stderr
 
 
 def test_synthetic_checkpoint_is_llama_like_and_reused(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from conftest import (
     open_files,
     random_tensor,
     reference_load,
+    s3_client,
     thread_count,
     write_checkpoint,
 )
@@ -39,8 +40,8 @@ from s3_faults import FaultProxy, any_get
 import streamer
 from streamer import S3Config, S3Error, S3SourceError, SourceError, StreamerConfig
 
-boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
 
 BUCKET = "models"
 ACCESS_KEY = "AKIDTESTSENTINEL42"
@@ -52,27 +53,8 @@ TOKEN = "session-token-SENTINEL-77"
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """A moto S3 server on a free loopback port; yields its endpoint URL."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    srv = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    srv.start()
-    host, port = srv.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope="module")
-def s3(server: str) -> Any:
-    client = boto3.client(
-        "s3",
-        endpoint_url=server,
-        region_name="us-east-1",
-        aws_access_key_id=ACCESS_KEY,
-        aws_secret_access_key=SECRET_KEY,
-    )
+def s3(s3_server: str) -> Any:
+    client = s3_client(s3_server, ACCESS_KEY, SECRET_KEY)
     client.create_bucket(Bucket=BUCKET)
     return client
 
@@ -112,8 +94,8 @@ def single(tmp_path_factory: pytest.TempPathFactory, s3: Any) -> Written:
 
 
 @pytest.fixture
-def proxy(server: str) -> Iterator[FaultProxy]:
-    host, port = server.removeprefix("http://").split(":")
+def proxy(s3_server: str) -> Iterator[FaultProxy]:
+    host, port = s3_server.removeprefix("http://").split(":")
     p = FaultProxy((host, int(port)), stall_seconds=3.0)
     try:
         yield p
@@ -151,23 +133,23 @@ def cfg(endpoint: str, *, block_size: int = 64 * KiB, memory_limit: int | None =
 
 
 @pytest.mark.parametrize("form", ["index", "prefix", "prefix-no-slash", "list"])
-def test_every_source_form_is_bit_exact(server: str, every_dtype: Written, form: str) -> None:
+def test_every_source_form_is_bit_exact(s3_server: str, every_dtype: Written, form: str) -> None:
     source: Any = {
         "index": f"s3://{BUCKET}/dtypes/{every_dtype.index.name if every_dtype.index else ''}",
         "prefix": f"s3://{BUCKET}/dtypes/",
         "prefix-no-slash": f"s3://{BUCKET}/dtypes",
         "list": [f"s3://{BUCKET}/dtypes/{p.name}" for p in every_dtype.shards],
     }[form]
-    got = streamer.load(source, config=cfg(server))
+    got = streamer.load(source, config=cfg(s3_server))
     assert_same_dict(got, reference_load(every_dtype.shards))
     assert list(got) == checkpoint_order(every_dtype.shards)
 
 
-def test_single_object_load_file_open_get_tensor(server: str, single: Written) -> None:
+def test_single_object_load_file_open_get_tensor(s3_server: str, single: Written) -> None:
     uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
     expected = reference_load(single.shards)
-    assert_same_dict(streamer.load_file(uri, config=cfg(server)), expected)
-    with streamer.open(uri, config=cfg(server), order="checkpoint") as handle:
+    assert_same_dict(streamer.load_file(uri, config=cfg(s3_server)), expected)
+    with streamer.open(uri, config=cfg(s3_server), order="checkpoint") as handle:
         assert handle.files == (uri,)
         assert handle.keys() == list(expected)
         streamed = dict(iter(handle))
@@ -179,9 +161,9 @@ def test_single_object_load_file_open_get_tensor(server: str, single: Written) -
     assert metrics["bytes_read"] == single.nbytes
 
 
-def test_open_streams_under_a_memory_limit(server: str, every_dtype: Written) -> None:
+def test_open_streams_under_a_memory_limit(s3_server: str, every_dtype: Written) -> None:
     limit = 256 * KiB
-    config = cfg(server, memory_limit=limit)
+    config = cfg(s3_server, memory_limit=limit)
     # "huge" is larger than the limit: a warning, then it is read alone
     with pytest.warns(RuntimeWarning), streamer.open(f"s3://{BUCKET}/dtypes/", config=config) as handle:
         streamed = {name: tensor.clone() for name, tensor in handle}
@@ -190,27 +172,27 @@ def test_open_streams_under_a_memory_limit(server: str, every_dtype: Written) ->
     assert metrics["peak_buffer_bytes"] <= 800 * KiB + limit + 8 * KiB
 
 
-def test_metadata_and_long_header(server: str, every_dtype: Written) -> None:
+def test_metadata_and_long_header(s3_server: str, every_dtype: Written) -> None:
     """A header longer than the speculative first GET takes a second one."""
-    with streamer.open(f"s3://{BUCKET}/dtypes/", config=cfg(server, header_bytes=64)) as handle:
+    with streamer.open(f"s3://{BUCKET}/dtypes/", config=cfg(s3_server, header_bytes=64)) as handle:
         assert handle.metadata() == {"origin": "s3-test"}
         got = dict(iter(handle))
     assert_same_dict(got, reference_load(every_dtype.shards))
 
 
-def test_load_into_existing_tensors(server: str, every_dtype: Written) -> None:
+def test_load_into_existing_tensors(s3_server: str, every_dtype: Written) -> None:
     expected = reference_load(every_dtype.shards)
     dest = {name: torch.zeros_like(t) for name, t in expected.items()}
-    result = streamer.load_into(dest, f"s3://{BUCKET}/dtypes/", config=cfg(server, memory_limit=128 * KiB))
+    result = streamer.load_into(dest, f"s3://{BUCKET}/dtypes/", config=cfg(s3_server, memory_limit=128 * KiB))
     assert result.missing_keys == [] and result.unexpected_keys == []
     assert_same_dict(dest, expected)
 
 
-def test_staged_ring_path(monkeypatch: pytest.MonkeyPatch, server: str, every_dtype: Written) -> None:
+def test_staged_ring_path(monkeypatch: pytest.MonkeyPatch, s3_server: str, every_dtype: Written) -> None:
     """The GPU path (ring slots, copies, slot reuse) with the CPU stand-in copy engine."""
     standin = StandIn(monkeypatch)
     got = streamer.load(
-        f"s3://{BUCKET}/dtypes/", config=cfg(server, block_size=16 * KiB, memory_limit=64 * KiB)
+        f"s3://{BUCKET}/dtypes/", config=cfg(s3_server, block_size=16 * KiB, memory_limit=64 * KiB)
     )
     assert_same_dict(got, reference_load(every_dtype.shards))
     standin.assert_clean()
@@ -219,8 +201,8 @@ def test_staged_ring_path(monkeypatch: pytest.MonkeyPatch, server: str, every_dt
 # --- source errors --------------------------------------------------------------------------------
 
 
-def test_bad_uris_and_missing_things(server: str, single: Written, tmp_path: Path) -> None:
-    c = cfg(server)
+def test_bad_uris_and_missing_things(s3_server: str, single: Written, tmp_path: Path) -> None:
+    c = cfg(s3_server)
     for bad in ("s3://", "s3:///key.safetensors", "s3://bad bucket/x.safetensors"):
         with pytest.raises(SourceError, match="bad S3 URI"):
             streamer.load(bad, config=c)
@@ -237,23 +219,23 @@ def test_bad_uris_and_missing_things(server: str, single: Written, tmp_path: Pat
         streamer.load([str(local), f"s3://{BUCKET}/single/{single.shards[0].name}"], config=c)
 
 
-def test_index_with_a_missing_shard(server: str, s3: Any) -> None:
+def test_index_with_a_missing_shard(s3_server: str, s3: Any) -> None:
     s3.put_object(
         Bucket=BUCKET,
         Key="broken/model.safetensors.index.json",
         Body=b'{"weight_map": {"a": "model-00001-of-00002.safetensors"}}',
     )
     with pytest.raises(S3SourceError, match="index references a missing"):
-        streamer.load(f"s3://{BUCKET}/broken/model.safetensors.index.json", config=cfg(server))
+        streamer.load(f"s3://{BUCKET}/broken/model.safetensors.index.json", config=cfg(s3_server))
 
 
-def test_not_a_safetensors_object(server: str, s3: Any) -> None:
+def test_not_a_safetensors_object(s3_server: str, s3: Any) -> None:
     s3.put_object(Bucket=BUCKET, Key="junk/x.safetensors", Body=b"\xff" * 100)
     with pytest.raises(streamer.HeaderError, match=r"s3://models/junk/x\.safetensors"):
-        streamer.load(f"s3://{BUCKET}/junk/x.safetensors", config=cfg(server))
+        streamer.load(f"s3://{BUCKET}/junk/x.safetensors", config=cfg(s3_server))
     s3.put_object(Bucket=BUCKET, Key="junk/empty.safetensors", Body=b"")
     with pytest.raises(streamer.HeaderError, match="too short"):
-        streamer.load(f"s3://{BUCKET}/junk/empty.safetensors", config=cfg(server))
+        streamer.load(f"s3://{BUCKET}/junk/empty.safetensors", config=cfg(s3_server))
 
 
 # --- faults ------------------------------------------------------------------------------------------
@@ -280,9 +262,9 @@ def test_faults_on_the_header_read_are_retried(proxy: FaultProxy, single: Writte
 
 
 @pytest.fixture
-def no_leaks(single: Written, server: str) -> Iterator[None]:
+def no_leaks(single: Written, s3_server: str) -> Iterator[None]:
     """The process has the same threads and descriptors after the test as before (after a warm-up)."""
-    streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(server))
+    streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(s3_server))
     gc.collect()
     threads, fds, files = thread_count(), fd_count(), open_files()
     yield
@@ -298,9 +280,9 @@ def no_leaks(single: Written, server: str) -> Iterator[None]:
 
 @pytest.mark.parametrize("kind", ["503", "reset", "stall"])
 def test_persistent_faults_fail_typed_within_the_deadline(
-    server: str, single: Written, no_leaks: None, kind: str
+    s3_server: str, single: Written, no_leaks: None, kind: str
 ) -> None:
-    host, port = server.removeprefix("http://").split(":")
+    host, port = s3_server.removeprefix("http://").split(":")
     proxy = FaultProxy((host, int(port)), stall_seconds=3.0)
     try:
         proxy.inject(kind, times=None)
@@ -323,8 +305,8 @@ def test_persistent_faults_fail_typed_within_the_deadline(
     assert elapsed < 3 * 1.0 * 3 + 10  # three tries, each at most one read timeout (+ stall slack)
 
 
-def test_retry_deadline_bounds_the_retries(server: str, single: Written, no_leaks: None) -> None:
-    host, port = server.removeprefix("http://").split(":")
+def test_retry_deadline_bounds_the_retries(s3_server: str, single: Written, no_leaks: None) -> None:
+    host, port = s3_server.removeprefix("http://").split(":")
     proxy = FaultProxy((host, int(port)))
     try:
         proxy.inject("503", times=None)
@@ -356,7 +338,7 @@ def test_denied_at_open_is_a_source_error(proxy: FaultProxy, single: Written) ->
 
 
 def test_object_replaced_during_the_load_is_an_error(
-    server: str, s3: Any, tmp_path: Path, no_leaks: None
+    s3_server: str, s3: Any, tmp_path: Path, no_leaks: None
 ) -> None:
     g = torch.Generator().manual_seed(3)
     first = write_checkpoint(tmp_path / "a", {"x": random_tensor((64 * KiB,), torch.float32, g)}, index=False)
@@ -364,7 +346,7 @@ def test_object_replaced_during_the_load_is_an_error(
         tmp_path / "b", {"x": random_tensor((64 * KiB,), torch.float32, g)}, index=False
     )
     s3.upload_file(str(first.shards[0]), BUCKET, "replaced/model.safetensors")
-    with streamer.open(f"s3://{BUCKET}/replaced/model.safetensors", config=cfg(server)) as handle:
+    with streamer.open(f"s3://{BUCKET}/replaced/model.safetensors", config=cfg(s3_server)) as handle:
         s3.upload_file(str(second.shards[0]), BUCKET, "replaced/model.safetensors")  # same layout
         with pytest.raises(S3Error, match="changed during the load") as info:
             dict(iter(handle))
@@ -372,10 +354,10 @@ def test_object_replaced_during_the_load_is_an_error(
 
 
 def test_early_exit_and_failure_leave_nothing_behind(
-    server: str, every_dtype: Written, no_leaks: None, proxy: FaultProxy
+    s3_server: str, every_dtype: Written, no_leaks: None, proxy: FaultProxy
 ) -> None:
     """(no_leaks before proxy: its check runs after the proxy has joined its handler threads)"""
-    with streamer.open(f"s3://{BUCKET}/dtypes/", config=cfg(server)) as handle:
+    with streamer.open(f"s3://{BUCKET}/dtypes/", config=cfg(s3_server)) as handle:
         for _ in handle:
             break
     proxy.inject("404", times=None)
@@ -455,14 +437,14 @@ def test_config_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         S3Config(access_key_id="only-half")
 
 
-def test_anonymous_access(server: str, s3: Any, single: Written) -> None:
+def test_anonymous_access(s3_server: str, s3: Any, single: Written) -> None:
     """Unsigned requests to a public object: no credentials are looked up at all."""
     s3.upload_file(
         str(single.shards[0]), BUCKET, "public/model.safetensors", ExtraArgs={"ACL": "public-read"}
     )
     got = streamer.load(
         f"s3://{BUCKET}/public/model.safetensors",
-        config=cfg(server, anonymous=True, access_key_id=None, secret_access_key=None, session_token=None),
+        config=cfg(s3_server, anonymous=True, access_key_id=None, secret_access_key=None, session_token=None),
     )
     assert_same_dict(got, reference_load(single.shards))
 

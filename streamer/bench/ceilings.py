@@ -4,7 +4,9 @@
   readers, best value (``fio`` when it is on PATH, else a threaded ``pread`` reader in Python);
 - ``memcpy`` into memory that is already touched (numpy, one thread; torch, all threads);
 - first touch of fresh anonymous memory (MAP_PRIVATE), 4 KiB pages and transparent huge pages;
-- pinned host-to-device copy when CUDA is present.
+- pinned host-to-device copy when CUDA is present;
+- S3 sources: plain boto3 ranged GETs through the same endpoint (the boto3 loader's runs, timed
+  interleaved with the loaders'); the local read ceilings do not apply there.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -22,21 +25,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamer.bench.runner import Config
 from streamer.bench.units import gbps
 
 JOB_COUNTS = (1, 2, 4, 8)
 READ_BLOCK = 1 << 20
 _DIRECT_ALIGN = 4096
+_LOCAL_READS = ("read_buffered", "read_direct")
 
 
 @dataclass
 class Ceiling:
     """One reference figure: its best rate and how it was obtained."""
 
-    name: str  # read_buffered | read_direct | memcpy | first_touch | first_touch_hugepage | h2d_pinned
-    cache: str | None  # cold | warm for reads, None for memory
+    # read_buffered | read_direct | s3_ranged_get | memcpy | first_touch | first_touch_hugepage | h2d_pinned
+    name: str
+    cache: str | None  # cold | warm | remote for reads, None for memory
     gbps: float | None
-    method: str  # fio | python | numpy | torch | mmap
+    method: str  # fio | python | boto3 | numpy | torch | mmap | none
     detail: str
     samples: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
@@ -183,6 +189,28 @@ def storage_ceilings(
             ceiling.error = "; ".join(str(s.get("error", "too fast to time")) for s in ceiling.samples)
         out.append(ceiling)
     return out
+
+
+def remote_ceilings(boto3_configs: Sequence[Config]) -> list[Ceiling]:
+    """S3 sources: the boto3 loader's best setting (bytes over its median run) as the ranged-GET
+    ceiling; the local read ceilings listed as not applicable, so a reader sees why they are absent."""
+    ceiling = Ceiling("s3_ranged_get", "remote", None, "boto3", "")
+    for config in boto3_configs:
+        valid = [r for r in config.runs if r.valid and r.seconds and r.bytes]
+        if not valid:
+            continue
+        median = statistics.median(r.seconds or 0.0 for r in valid)
+        nbytes = max(r.bytes or 0 for r in valid)
+        value = gbps(nbytes, median)
+        setting = config.setting.label
+        ceiling.samples.append({"setting": setting, "bytes": nbytes, "median_s": median, "gbps": value})
+        if ceiling.gbps is None or value > ceiling.gbps:
+            ceiling.gbps = value
+            ceiling.detail = f"{'; '.join(valid[0].notes)}; median of {len(valid)} run(s)"
+    if ceiling.gbps is None:
+        ceiling.error = "not measured: boto3 did not run (not asked for with --loaders, skipped or failed)"
+    local = "not applicable: the checkpoint is on S3, there are no local files to read"
+    return [ceiling, *(Ceiling(name, "remote", None, "none", "", error=local) for name in _LOCAL_READS)]
 
 
 # --- memory ---

@@ -18,6 +18,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -25,8 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from streamer.bench.checkpoint import is_remote
+
 RESULT_MARK = "@@streamer-bench@@ "
-HIDE_ENV = "STREAMER_BENCH_HIDE"  # comma-separated loaders to treat as not installed (tests)
+# Comma-separated loaders, or modules a loader needs for S3, to treat as not installed (tests).
+HIDE_ENV = "STREAMER_BENCH_HIDE"
 
 Tensors = dict[str, Any]
 
@@ -53,12 +57,16 @@ def _module(name: str) -> Any:
 
 def _prepare_streamer(request: dict[str, Any]) -> Prepared:
     streamer = _module("streamer")
-    knobs = request["knobs"]
-    # memory_limit=None as streamer.load() does: everything is kept, so no limit applies.
-    config = streamer.StreamerConfig(
-        memory_limit=None, **{k: knobs[k] for k in ("concurrency",) if k in knobs}
-    )
     source, device = request["source"], request["device"]
+    concurrency = request["knobs"].get("concurrency")
+    if concurrency is None:
+        knob: dict[str, Any] = {}
+    elif is_remote(source):  # S3 reads are bounded by connections, not by local I/O threads
+        knob = {"s3": streamer.S3Config(concurrency=concurrency)}
+    else:
+        knob = {"concurrency": concurrency}
+    # memory_limit=None as streamer.load() does: everything is kept, so no limit applies.
+    config = streamer.StreamerConfig(memory_limit=None, **knob)
 
     def run_open() -> Loaded:
         # What streamer.load() does (iterate a Streamer, keep every tensor), plus its metrics.
@@ -79,18 +87,38 @@ def _prepare_safetensors(request: dict[str, Any]) -> Prepared:
     backend = request["knobs"].get("backend", "mmap")
     kwargs = {} if backend == "mmap" else {"backend": backend}
 
-    def run() -> Loaded:
+    notes = ["mmap views cloned into owned memory"] if device == "cpu" and backend == "mmap" else []
+
+    def load(paths: list[str]) -> Tensors:
         tensors: Tensors = {}
-        for path in files:
+        for path in paths:
             if device == "cpu" and backend == "mmap":
                 # load_file hands out views of a private file mapping: copy them into owned memory.
                 tensors.update({k: v.clone() for k, v in st_torch.load_file(path, **kwargs).items()})
             else:
                 tensors.update(st_torch.load_file(path, device=device, **kwargs))
-        notes = ["mmap views cloned into owned memory"] if device == "cpu" and backend == "mmap" else []
-        return Loaded(tensors, notes=notes)
+        return tensors
 
-    return run
+    def run() -> Loaded:
+        return Loaded(load(files), notes=notes)
+
+    if not is_remote(request["source"]):
+        return run
+    s3peers = _module("streamer.bench.s3peers")
+    config = _module("streamer.config").S3Config()
+
+    def download_and_run() -> Loaded:
+        # What people do without an S3 loader: download every shard, then load the local files.
+        # The scratch directory goes away after the clock, with the Loaded object.
+        scratch = tempfile.TemporaryDirectory(prefix="streamer-bench-download-")
+        paths = s3peers.download(s3peers.client(config, 10), files, Path(scratch.name))
+        return Loaded(
+            load([str(p) for p in paths]),
+            notes=[f"boto3 download_file to {scratch.name} first", *notes],
+            keepalive=scratch,
+        )
+
+    return download_and_run
 
 
 def _prepare_runai(request: dict[str, Any]) -> Prepared:
@@ -160,6 +188,25 @@ def _prepare_tensorizer(request: dict[str, Any]) -> Prepared:
     return run
 
 
+def _prepare_boto3(request: dict[str, Any]) -> Prepared:
+    s3peers = _module("streamer.bench.s3peers")
+    # By default as many connections as streamer opens (STREAMER_S3_CONCURRENCY is not passed down).
+    config = _module("streamer.config").S3Config()
+    connections = request["knobs"].get("concurrency") or config.concurrency
+    torch = _module("torch")
+
+    def run() -> Loaded:
+        buffers = s3peers.ranged_get(s3peers.client(config, connections), request["files"], connections)
+        objects = {
+            uri: torch.frombuffer(b, dtype=torch.uint8)
+            for uri, b in zip(request["files"], buffers, strict=True)
+        }
+        note = f"{connections} connections, {s3peers.RANGE_BYTES >> 20} MiB ranged GETs into CPU memory"
+        return Loaded(objects, notes=[note], keepalive=buffers)
+
+    return run
+
+
 PREPARERS: dict[str, Callable[[dict[str, Any]], Prepared]] = {
     "streamer": _prepare_streamer,
     "safetensors": _prepare_safetensors,
@@ -167,6 +214,7 @@ PREPARERS: dict[str, Callable[[dict[str, Any]], Prepared]] = {
     "fastsafetensors": _prepare_fastsafetensors,
     "instanttensor": _prepare_instanttensor,
     "tensorizer": _prepare_tensorizer,
+    "boto3": _prepare_boto3,
 }
 
 
@@ -220,8 +268,19 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def _importable(module: str, hidden: set[str]) -> bool:
+    if module in hidden:
+        return False
+    try:
+        _module(module)
+    except Exception:  # missing or broken: either way it cannot read S3 here
+        return False
+    return True
+
+
 def probe(request: dict[str, Any]) -> dict[str, Any]:
-    """Which loaders import here, their versions and features, and what CUDA offers."""
+    """Which loaders import here, their versions and features (``s3_missing``: the modules for
+    s3:// that do not import), and what CUDA offers."""
     from importlib import metadata
 
     hidden = {h.strip() for h in os.environ.get(HIDE_ENV, "").split(",") if h.strip()}
@@ -248,6 +307,9 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
             entry["reason"] = f"import failed: {exc!r}"[:500]
             continue
         entry["available"] = True
+        entry["features"]["s3_missing"] = [
+            m for m in request["s3_modules"].get(name, []) if not _importable(m, hidden)
+        ]
         entry["version"] = getattr(mod, "__version__", None)
         for dist in request["distributions"].get(name, []):
             try:

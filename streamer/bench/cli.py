@@ -1,9 +1,14 @@
-"""``streamer-bench``: time loaders from a cold (and/or warm) page cache, side by side.
+"""``streamer-bench``: time loaders from a cold (and/or warm) page cache, or from S3, side by side.
 
 The phases, in order: get a checkpoint (``--source`` or ``--synthetic``), probe which loaders
 are installed (in a child, like the runs), convert for tensorizer once, then per cache state:
 read ceilings, then ``--repeat`` interleaved rounds over every loader setting, each run in a
 fresh process. Memory ceilings last; then the table, ``--json`` and ``--plot``.
+
+An ``s3://`` source has one state, "remote": there is no page cache on this machine to empty or
+fill, so ``--cold``/``--warm`` are refused rather than given a meaning they cannot have. Its
+ceiling is the boto3 loader (plain ranged GETs through the same endpoint), run interleaved with
+the others; the local read ceilings do not apply.
 """
 
 from __future__ import annotations
@@ -22,16 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from streamer.bench import cache, ceilings, report, runner, synthetic
-from streamer.bench.checkpoint import Checkpoint, SourceProblem, is_remote, resolve
+from streamer.bench.checkpoint import Checkpoint, SourceProblem, SourceUnreachable, is_remote, resolve
 from streamer.bench.loaders import (
     ALL_LOADERS,
     LOADERS,
+    RUNAI_DEFAULT_STRATEGY,
     RUNAI_STRATEGIES,
     SAFETENSORS_BACKENDS,
     Setting,
+    default_loaders,
     settings_for,
 )
-from streamer.bench.machine import facts
+from streamer.bench.machine import facts, s3_endpoint
 from streamer.bench.units import format_bytes, parse_size, positive_int
 
 DEFAULT_SYNTHETIC = "1GiB"
@@ -42,6 +49,7 @@ DISTRIBUTIONS = {
     "fastsafetensors": ["fastsafetensors"],
     "instanttensor": ["instanttensor"],
     "tensorizer": ["tensorizer"],
+    "boto3": ["boto3"],
 }
 SWEEPABLE = ("concurrency",)
 
@@ -101,15 +109,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamer-bench",
         description="Cold-start load times of safetensors loaders, each run in a fresh process, "
         "with verified page-cache eviction, interleaved repetitions and hardware ceilings.",
-        epilog="example: streamer-bench --synthetic 4GiB --cold --warm --sweep concurrency=1,4,16; "
+        epilog="examples: streamer-bench --synthetic 4GiB --cold --warm --sweep concurrency=1,4,16; "
+        "AWS_ENDPOINT_URL=http://127.0.0.1:9000 streamer-bench --source s3://bucket/model/ "
+        "(credentials, region and endpoint from the standard AWS variables); "
         "vLLM cold starts per load format: streamer-bench vllm --help",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--source",
-        metavar="PATH",
-        help="a .safetensors file, a directory of them, or a "
-        "model.safetensors.index.json (s3:// is not supported yet)",
+        metavar="PATH|URI",
+        help="a .safetensors file, a directory of them, or a model.safetensors.index.json; local "
+        "or on S3 (s3://bucket/prefix/, s3://bucket/key.safetensors, s3://bucket/…/index.json), "
+        "with the endpoint and credentials of the standard AWS variables",
     )
     src.add_argument(
         "--synthetic",
@@ -128,17 +139,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--loaders",
         type=_choices(ALL_LOADERS, "loader"),
-        default=list(ALL_LOADERS),
-        help=f"comma-separated, default all: {','.join(ALL_LOADERS)}",
+        help=f"comma-separated from {','.join(ALL_LOADERS)}; default: all (boto3, plain ranged GETs, "
+        "is the S3 ceiling: by default only for S3 sources)",
     )
     p.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda:N")
     p.add_argument(
         "--cold",
         action="store_true",
-        help="evict the files before every run and verify 0 bytes resident (neither flag: both)",
+        help="evict the files before every run and verify 0 bytes resident (neither flag: both; "
+        "not for S3 sources, timed in the 'remote' state)",
     )
     p.add_argument(
-        "--warm", action="store_true", help="have the files fully cached before every run (verified)"
+        "--warm",
+        action="store_true",
+        help="have the files fully cached before every run (verified; not for S3 sources)",
     )
     p.add_argument("--repeat", type=positive_int, default=3, help="runs per setting, interleaved (default 3)")
     p.add_argument(
@@ -146,15 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sweep,
         metavar="concurrency=N,N,…",
         help="extra settings for loaders with a concurrency knob, besides their default: streamer "
-        "StreamerConfig.concurrency, runai RUNAI_STREAMER_CONCURRENCY, fastsafetensors max_threads, "
-        "tensorizer num_readers",
+        "StreamerConfig.concurrency (S3Config.concurrency for s3://), runai RUNAI_STREAMER_CONCURRENCY, "
+        "fastsafetensors max_threads, tensorizer num_readers, boto3 connections",
     )
     p.add_argument(
         "--runai-strategies",
         type=_strategies,
         default=list(RUNAI_STRATEGIES),
         help="RUNAI_STREAMER_FS_STRATEGY values ('default' = unset: io_uring + O_DIRECT); "
-        "default: default,sync_buffered",
+        "default: default,sync_buffered; S3 sources: default only (a file-system knob)",
     )
     p.add_argument(
         "--safetensors-backends",
@@ -194,15 +208,28 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.source is not None and is_remote(args.source):
-        parser.error(f"--source {args.source}: remote (s3://) sources are not supported yet")
+    remote = args.source is not None and is_remote(args.source)
+    if remote and not args.source.startswith("s3://"):
+        parser.error(f"--source {args.source}: the only remote sources are s3://bucket/key URIs")
+    if remote and (args.cold or args.warm):
+        parser.error(
+            f"--{'cold' if args.cold else 'warm'} does not apply to an S3 source: there is no page "
+            "cache on this machine to evict or fill (S3 runs are timed in the 'remote' state)"
+        )
     if args.source is not None and args.shards is not None:
         parser.error("--shards only applies to --synthetic")
     args.shards = args.shards or 2
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install matplotlib")
-    if not args.cold and not args.warm:
-        args.cold = args.warm = True
+    args.remote = remote
+    if remote:
+        args.states = ["remote"]
+        args.runai_strategies = [RUNAI_DEFAULT_STRATEGY]
+    else:
+        if not args.cold and not args.warm:
+            args.cold = args.warm = True
+        args.states = [s for s, wanted in (("cold", args.cold), ("warm", args.warm)) if wanted]
+    args.loaders = args.loaders or default_loaders(remote)
     if args.source is None and args.synthetic is None:
         args.synthetic = parse_size(DEFAULT_SYNTHETIC)
     args.parser = parser
@@ -262,11 +289,14 @@ def obtain_checkpoint(
     return resolve(str(made.index)), info
 
 
-def probe(loaders: Sequence[str]) -> dict[str, Any]:
+def probe(remote: bool) -> dict[str, Any]:
+    """What is installed, probed in a child like the runs; the S3 modules only for S3 sources."""
+    s3_modules = {name: LOADERS[name].s3_modules or () for name in ALL_LOADERS} if remote else {}
     result = runner.call_child(
         {
             "action": "probe",
             "modules": {name: LOADERS[name].module for name in ALL_LOADERS},
+            "s3_modules": s3_modules,
             "distributions": DISTRIBUTIONS,
         },
         timeout=600,
@@ -276,12 +306,12 @@ def probe(loaders: Sequence[str]) -> dict[str, Any]:
     return result
 
 
-def tensorizer_file(checkpoint: Checkpoint, workdir: Path, progress: Progress) -> Path:
+def tensorizer_file(checkpoint: Checkpoint, workdir: Path, progress: Progress) -> str:
     """Converts the checkpoint once (untimed); reused from --keep when newer than the shards."""
     out = workdir / "tensorizer" / "model.tensors"
     newest = max(f.stat().st_mtime for f in checkpoint.files)
     if out.is_file() and out.stat().st_mtime >= newest:
-        return out
+        return str(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     progress("converting the checkpoint for tensorizer (once, not timed)")
     result = runner.call_child(
@@ -289,7 +319,17 @@ def tensorizer_file(checkpoint: Checkpoint, workdir: Path, progress: Progress) -
     )
     if not result["ok"]:
         raise RuntimeError(f"tensorizer conversion failed: {result['error']}")
-    return out
+    return str(out)
+
+
+def _source_mismatch(name: str, remote: bool) -> str | None:
+    """Why loader ``name`` cannot read this kind of source, if it cannot."""
+    info = LOADERS[name]
+    if remote and info.s3_modules is None:
+        return "local files only"
+    if not remote and info.s3_only:
+        return "S3 sources only (a ceiling of S3 endpoints; local sources get the read ceilings)"
+    return None
 
 
 def plan(
@@ -298,13 +338,17 @@ def plan(
     probed: dict[str, Any],
     workdir: Path,
     progress: Progress,
-) -> tuple[list[tuple[Setting, list[Path]]], list[dict[str, str | None]]]:
+) -> tuple[list[tuple[Setting, list[str]]], list[dict[str, str | None]]]:
     """Which settings run and on which files; which loaders are skipped and why."""
     concurrency = args.sweep[1] if args.sweep else []
-    runs: list[tuple[Setting, list[Path]]] = []
+    runs: list[tuple[Setting, list[str]]] = []
     skipped: list[dict[str, str | None]] = []
     for name in args.loaders:
         info, state = LOADERS[name], probed["loaders"][name]
+        mismatch = _source_mismatch(name, checkpoint.remote)
+        if mismatch is not None:
+            skipped.append({"loader": name, "reason": mismatch, "install": None})
+            continue
         if info.cuda_only and not args.device.startswith("cuda"):
             reason = f"CUDA only, not run for device {args.device}"
             skipped.append({"loader": name, "reason": reason, "install": None})
@@ -312,10 +356,15 @@ def plan(
         if not state["available"]:
             skipped.append({"loader": name, "reason": state["reason"], "install": info.pip})
             continue
+        missing = state["features"].get("s3_missing")
+        if checkpoint.remote and missing:
+            reason = f"S3 support not installed ({', '.join(missing)} does not import)"
+            skipped.append({"loader": name, "reason": reason, "install": info.s3_pip})
+            continue
         backends = list(args.safetensors_backends)
         if name == "safetensors" and not state["features"].get("pread_backend"):
             backends = [b for b in backends if b != "pread"] or ["mmap"]
-        files = checkpoint.files
+        files = list(checkpoint.shards)
         if name == "tensorizer":
             try:
                 files = [tensorizer_file(checkpoint, args.keep or workdir, progress)]
@@ -330,13 +379,13 @@ def plan(
 def run_sections(
     args: argparse.Namespace,
     checkpoint: Checkpoint,
-    planned: list[tuple[Setting, list[Path]]],
+    planned: list[tuple[Setting, list[str]]],
     progress: Progress,
 ) -> list[dict[str, Any]]:
     sections = []
-    for state in [s for s, wanted in (("cold", args.cold), ("warm", args.warm)) if wanted]:
+    for state in args.states:
         found: list[ceilings.Ceiling] = []
-        if args.ceilings:
+        if args.ceilings and state != "remote":
 
             def prepare(state: str = state) -> None:
                 if state == "cold" and cache.make_cold(checkpoint.files):
@@ -358,6 +407,8 @@ def run_sections(
             timeout=args.timeout,
             progress=progress,
         )
+        if args.ceilings and state == "remote":
+            found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])
         sections.append(report.section(state, configs, found))
     return sections
 
@@ -393,12 +444,16 @@ def document(
     return {
         "schema": report.SCHEMA_ID,
         "command": ["streamer-bench", *(sys.argv[1:] if argv is None else argv)],
-        "machine": facts(checkpoint.files[0], probed),
+        "machine": facts(
+            None if checkpoint.remote else checkpoint.files[0],
+            probed,
+            s3_endpoint() if checkpoint.remote else None,
+        ),
         "checkpoint": {
             "source": checkpoint.source,
             "synthetic": synthetic_info,
             "kept": bool(args.keep) or synthetic_info is None,
-            "files": [{"path": str(f), "bytes": f.stat().st_size} for f in checkpoint.files],
+            "files": [{"path": path, "bytes": size} for path, size in checkpoint.shards.items()],
             "tensor_bytes": checkpoint.tensor_bytes,
             "tensor_count": checkpoint.tensor_count,
         },
@@ -430,15 +485,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = Progress(args.quiet)
     with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:
         workdir = Path(tmp)
-        probed = probe(args.loaders)
+        probed = probe(args.remote)
         if args.device.startswith("cuda") and not probed["cuda"]["available"]:
             args.parser.error(f"--device {args.device}: torch reports no CUDA device here")
         try:
             checkpoint, synthetic_info = obtain_checkpoint(args, workdir, progress)
         except SourceProblem as exc:
             args.parser.error(str(exc))
+        except SourceUnreachable as exc:
+            print(f"streamer-bench: error: {exc}", file=sys.stderr)
+            return 1
         try:
-            cache.resident_bytes(checkpoint.files)
+            if not checkpoint.remote:
+                cache.resident_bytes(checkpoint.files)
         except cache.CacheStateError as exc:
             print(f"streamer-bench: error: {exc}", file=sys.stderr)
             return 1

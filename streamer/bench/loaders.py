@@ -7,14 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ALL_LOADERS = ("streamer", "safetensors", "runai", "fastsafetensors", "instanttensor", "tensorizer")
+ALL_LOADERS = ("streamer", "safetensors", "runai", "fastsafetensors", "instanttensor", "tensorizer", "boto3")
 RUNAI_DEFAULT_STRATEGY = "default"  # RUNAI_STREAMER_FS_STRATEGY unset: io_uring + O_DIRECT in 0.17
 RUNAI_STRATEGIES = (RUNAI_DEFAULT_STRATEGY, "sync_buffered")
 SAFETENSORS_BACKENDS = ("mmap", "pread")
 
 # Environment variables a setting controls; removed from the child's environment unless the
 # setting sets them, so a stray export in the user's shell cannot skew a "default" run.
-CONTROLLED_ENV = ("RUNAI_STREAMER_CONCURRENCY", "RUNAI_STREAMER_FS_STRATEGY", "STREAMER_CONCURRENCY")
+CONTROLLED_ENV = (
+    "RUNAI_STREAMER_CONCURRENCY",
+    "RUNAI_STREAMER_FS_STRATEGY",
+    "STREAMER_CONCURRENCY",
+    "STREAMER_S3_CONCURRENCY",
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,10 @@ class LoaderInfo:
     concurrency_knob: str | None  # what --sweep concurrency sets, in words
     cuda_only: bool
     description: str
+    # S3 sources: the extra modules reading s3:// needs (None: local files only) and their install
+    s3_modules: tuple[str, ...] | None = None
+    s3_pip: str | None = None
+    s3_only: bool = False  # a reference for S3 sources, not a loader of local files
 
 
 LOADERS: dict[str, LoaderInfo] = {
@@ -36,9 +45,11 @@ LOADERS: dict[str, LoaderInfo] = {
             "streamer",
             "streamer",
             "pip install streamer",
-            "StreamerConfig(concurrency=N)",
+            "StreamerConfig(concurrency=N), S3Config(concurrency=N) for s3://",
             False,
             "streamer.load(source, device, config)",
+            ("aiobotocore", "boto3"),
+            "pip install aiobotocore boto3",
         ),
         LoaderInfo(
             "safetensors",
@@ -46,7 +57,10 @@ LOADERS: dict[str, LoaderInfo] = {
             "pip install safetensors",
             None,
             False,
-            "safetensors.torch.load_file per shard; mmap views cloned into owned memory",
+            "safetensors.torch.load_file per shard; mmap views cloned into owned memory; "
+            "s3://: boto3 download_file of each shard to $TMPDIR first (timed)",
+            ("boto3",),
+            "pip install boto3",
         ),
         LoaderInfo(
             "runai",
@@ -55,6 +69,8 @@ LOADERS: dict[str, LoaderInfo] = {
             "RUNAI_STREAMER_CONCURRENCY=N",
             False,
             "SafetensorsStreamer.stream_files(all shards) + get_tensors()",
+            ("runai_model_streamer_s3",),
+            "pip install runai-model-streamer-s3",
         ),
         LoaderInfo(
             "fastsafetensors",
@@ -79,6 +95,17 @@ LOADERS: dict[str, LoaderInfo] = {
             "num_readers=N",
             False,
             "TensorDeserializer(converted .tensors file, num_readers); conversion untimed",
+        ),
+        LoaderInfo(
+            "boto3",
+            "boto3",
+            "pip install boto3",
+            "N connections (threads)",
+            False,
+            "plain boto3 16 MiB ranged GETs into fresh anonymous memory: the S3 ceiling, not a loader",
+            (),
+            None,
+            s3_only=True,
         ),
     )
 }
@@ -130,3 +157,9 @@ def settings_for(
     if loader == "safetensors":
         return [Setting(loader, (("backend", b),) if b != "mmap" else ()) for b in safetensors_backends]
     return [Setting(loader, level) for level in levels]
+
+
+def default_loaders(remote: bool) -> list[str]:
+    """``--loaders`` when not given: every loader, and the boto3 reference for S3 sources only
+    (local sources have their own read ceilings)."""
+    return [name for name in ALL_LOADERS if remote or not LOADERS[name].s3_only]

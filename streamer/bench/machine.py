@@ -8,6 +8,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,28 @@ def _fio_version() -> str | None:
         return None
 
 
-def facts(source_path: Path, probe: dict[str, Any]) -> dict[str, Any]:
-    """Everything the JSON ``machine`` object holds (see ``schema.json``)."""
+def s3_endpoint() -> dict[str, str | None]:
+    """Where this run's S3 requests go, from the same settings streamer uses (the standard AWS
+    variables): scheme and host[:port] only, never credentials or a path. ``endpoint_host`` None:
+    AWS's own endpoint for the region."""
+    from streamer.config import S3Config
+
+    config = S3Config()
+    url = urllib.parse.urlsplit(config.endpoint_url or "")
+    host = url.hostname and (f"{url.hostname}:{url.port}" if url.port else url.hostname)
+    return {
+        "endpoint_host": host or None,
+        "scheme": url.scheme or None,
+        "region": config.region,
+        "addressing_style": config.addressing_style,
+    }
+
+
+def facts(
+    source_path: Path | None, probe: dict[str, Any], s3: dict[str, str | None] | None
+) -> dict[str, Any]:
+    """Everything the JSON ``machine`` object holds (see ``schema.json``); ``source_path`` is None
+    for an S3 source, whose endpoint is ``s3``."""
     versions: dict[str, str | None] = {
         name: entry.get("version") for name, entry in probe.get("loaders", {}).items()
     }
@@ -85,7 +106,8 @@ def facts(source_path: Path, probe: dict[str, Any]) -> dict[str, Any]:
         "ram_bytes": _ram_bytes(),
         "kernel": platform.release(),
         "os": platform.platform(),
-        "filesystem": filesystem(source_path),
+        "filesystem": filesystem(source_path) if source_path else dict.fromkeys(("type", "device", "mount")),
+        "s3": s3,
         "gpu": {
             "available": bool(cuda.get("available")),
             "devices": cuda.get("devices", []),

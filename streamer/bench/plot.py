@@ -38,6 +38,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         "fastsafetensors": "tab:red",
         "instanttensor": "tab:purple",
         "tensorizer": "tab:brown",
+        "boto3": "tab:gray",
     }
     line_style = {  # one look per ceiling, the same in every panel
         "read_buffered": ("black", "--"),
@@ -46,6 +47,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         "first_touch": ("tab:cyan", "--"),
         "first_touch_hugepage": ("tab:pink", "-."),
         "h2d_pinned": ("darkgoldenrod", ":"),
+        "s3_ranged_get": ("black", "--"),
     }
     for ax, sec in zip(axes[0], sections, strict=False):
         best = sec["best"]
@@ -64,8 +66,9 @@ def plot(document: dict[str, Any], path: Path) -> None:
                 linewidth=1,
                 label=f"{c['name']} {c['gbps']:.2f} GB/s",
             )
+        state = "S3" if sec["cache"] == "remote" else f"{sec['cache']} cache"
         ax.set_title(
-            f"{sec['cache']} cache — {document['options']['device']}, "
+            f"{state} — {document['options']['device']}, "
             f"{gib:.2f} GiB, median of {document['options']['repeat']}"
         )
         ax.set_ylabel("GB/s (higher is better)")

@@ -145,23 +145,32 @@ def _ceiling_line(c: dict[str, Any]) -> str:
     return f"  {c['name']}{cache}: {value} — {c['method']}, {c['detail']}".rstrip(", ")
 
 
+_STATES = {  # each section's heading: what was true before every run
+    "cold": "== cold cache: page cache evicted and verified empty (mincore) before every run",
+    "warm": "== warm cache: files fully resident in the page cache (verified) before every run",
+    "remote": "== remote: objects read from S3 in every run; nothing on this machine to evict "
+    "(the server side may cache)",
+}
+
+
 def render(document: dict[str, Any]) -> str:
     """The human-readable report."""
     ck = document["checkpoint"]
     opts = document["options"]
+    s3 = document["machine"].get("s3")
+    where = (
+        f"S3 endpoint {s3['endpoint_host'] or 'AWS default'}"
+        if s3
+        else document["machine"]["filesystem"]["type"]
+    )
     out = [
         f"streamer-bench: {len(ck['files'])} file(s), {format_bytes(ck['tensor_bytes'])} of tensors "
         f"({ck['tensor_count']} tensors), device {opts['device']}, {opts['repeat']} run(s) per setting, "
         f"interleaved; each run in a fresh process",
-        f"source: {ck['source']} ({document['machine']['filesystem']['type']})",
+        f"source: {ck['source']} ({where})",
     ]
     for sec in document["sections"]:
-        how = (
-            "page cache evicted and verified empty (mincore) before every run"
-            if sec["cache"] == "cold"
-            else "files fully resident in the page cache (verified) before every run"
-        )
-        out += ["", f"== {sec['cache']} cache: {how}", *_table([_row(r) for r in sec["results"]])]
+        out += ["", _STATES[sec["cache"]], *_table([_row(r) for r in sec["results"]])]
         if sec["best"]:
             out += [
                 "",
@@ -169,11 +178,12 @@ def render(document: dict[str, Any]) -> str:
                 *_table([_row(r) for r in sec["best"]]),
             ]
         if sec["ceilings"]:
-            out += [
-                "",
-                f"-- {sec['cache']}: storage ceilings (sequential read of the same files, best of 1..8 jobs)",
-            ]
-            out += [_ceiling_line(c) for c in sec["ceilings"]]
+            what = (
+                "S3 ceiling (plain boto3 ranged GETs through the same endpoint, its best setting)"
+                if sec["cache"] == "remote"
+                else "storage ceilings (sequential read of the same files, best of 1..8 jobs)"
+            )
+            out += ["", f"-- {sec['cache']}: {what}", *(_ceiling_line(c) for c in sec["ceilings"])]
     if document["memory_ceilings"]:
         out += ["", "-- memory ceilings"] + [_ceiling_line(c) for c in document["memory_ceilings"]]
     for s in document["skipped"]:

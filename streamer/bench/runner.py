@@ -1,5 +1,5 @@
 """Interleaved timed runs (A B C A B C …), each in a fresh child, each after the cache state
-it claims was reached and verified."""
+it claims was reached and verified ("remote" for S3 sources: nothing on this machine to reach)."""
 
 from __future__ import annotations
 
@@ -72,36 +72,43 @@ class Run:
 
 @dataclass
 class Config:
-    """One loader setting and the files it reads (tensorizer reads its converted copy)."""
+    """One loader setting and the files (paths or S3 URIs) it reads (tensorizer reads its
+    converted copy)."""
 
     setting: Setting
-    files: list[Path]
+    files: list[str]
     source: str
     runs: list[Run] = field(default_factory=list)
 
     @property
+    def paths(self) -> list[Path]:
+        return [Path(f) for f in self.files]
+
+    @property
     def file_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.files)
+        return sum(p.stat().st_size for p in self.paths)
 
 
-def _prepare(config: Config, state: str) -> tuple[int, str | None]:
+def _prepare(config: Config, state: str) -> tuple[int | None, str | None]:
     """Reaches ``state`` for the config's files: (resident bytes, reason it failed or None)."""
+    if state == "remote":  # S3: no page cache on this side to empty or fill
+        return None, None
     if state == "cold":
-        resident = cache.make_cold(config.files)
+        resident = cache.make_cold(config.paths)
         return resident, (f"not cold: {resident} bytes still resident after eviction" if resident else None)
-    missing = cache.make_warm(config.files)
+    missing = cache.make_warm(config.paths)
     resident = config.file_bytes - missing
     return resident, (f"not warm: {missing} bytes not resident after reading the files" if missing else None)
 
 
-def _check_start(run: Run, state: str, file_bytes: int) -> None:
+def _check_start(run: Run, state: str, config: Config) -> None:
     """A run whose child saw the wrong cache state at its clock's start does not count."""
     seen = run.resident_at_start_bytes
     if seen is None:
         return
     if state == "cold" and seen != 0:
         run.valid, run.error = False, f"not cold at the start of the clock: {seen} bytes resident"
-    if state == "warm" and seen < file_bytes:
+    if state == "warm" and seen < (file_bytes := config.file_bytes):
         run.valid, run.error = False, f"not warm at the start of the clock: {file_bytes - seen} bytes missing"
 
 
@@ -115,7 +122,8 @@ def run_section(
     timeout: float,
     progress: Callable[[str], None],
 ) -> None:
-    """``repeat`` rounds over every config, in the same order each round, in cache ``state``."""
+    """``repeat`` rounds over every config, in the same order each round, in ``state`` (cold, warm
+    or remote)."""
     total = repeat * len(configs)
     n = 0
     for r in range(repeat):
@@ -131,11 +139,11 @@ def run_section(
                 "action": "load",
                 "loader": config.setting.loader,
                 "knobs": dict(config.setting.knobs),
-                "files": [str(f) for f in config.files],
+                "files": config.files,
                 "source": config.source,
                 "device": device,
                 "streamer_api": streamer_api,
-                "cache": state,
+                "cache": None if state == "remote" else state,
             }
             try:
                 result = call_child(request, child_env(config.setting.environment()), timeout)
@@ -156,7 +164,7 @@ def run_section(
                     result["metrics"],
                     result["notes"],
                 )
-                _check_start(run, state, config.file_bytes)
+                _check_start(run, state, config)
             config.runs.append(run)
             if run.valid and run.seconds is not None and run.bytes is not None:
                 rate = gbps(run.bytes, run.seconds)

@@ -1,0 +1,225 @@
+"""streamer-bench with an S3 source, against a real S3 server on 127.0.0.1 (moto).
+
+One CLI run over a small generated checkpoint (module fixture, every timed load a fresh process)
+is checked every way: table, JSON schema, state "remote", byte totals from S3, skipped loaders,
+no secret in any output. Resolution and argument rules are checked in-process, where they are
+cheap. The endpoint and credentials reach every process through the standard AWS variables.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+import pytest
+from conftest import bench, bench_report, s3_client
+
+from streamer.bench import report, synthetic
+from streamer.bench.checkpoint import SourceProblem, SourceUnreachable, resolve
+
+pytest.importorskip("boto3")
+
+BUCKET = "bench"
+ACCESS_KEY = "AKIDBENCHSENTINEL"
+SECRET_KEY = "bench/SECRET+sentinel/0123456789"
+
+
+def aws_variables(endpoint: str) -> dict[str, str]:
+    """What a user exports to point every loader at an S3-compatible endpoint."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> synthetic.Synthetic:
+    """A 4 MiB Llama-like checkpoint in two shards with its index under s3://bench/model/, one
+    shard alone under s3://bench/one/, and a prefix with no safetensors object."""
+    made = synthetic.generate(tmp_path_factory.mktemp("s3bench"), 4 << 20, 2)
+    s3 = s3_client(s3_server, ACCESS_KEY, SECRET_KEY)
+    s3.create_bucket(Bucket=BUCKET)
+    for path in [*made.files, made.index]:
+        s3.upload_file(str(path), BUCKET, f"model/{path.name}")
+    s3.upload_file(str(made.files[0]), BUCKET, f"one/{made.files[0].name}")
+    s3.put_object(Bucket=BUCKET, Key="empty/README.md", Body=b"no weights here")
+    return made
+
+
+@pytest.fixture
+def aws_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process resolves sources the way the CLI would: from the standard variables."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in aws_variables(s3_server).items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="module")
+def run(s3_server: str, checkpoint: synthetic.Synthetic, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return bench_report(
+        tmp_path_factory.mktemp("s3run"),
+        "--source",
+        f"s3://{BUCKET}/model/",
+        "--loaders",
+        "streamer,safetensors,runai,boto3,fastsafetensors,tensorizer",
+        "--repeat",
+        "1",
+        "--safetensors-backends",
+        "mmap",
+        env=aws_variables(s3_server),
+    )
+
+
+# --- resolution -------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("aws_env")
+@pytest.mark.parametrize(
+    "source",
+    ["s3://bench/model/", "s3://bench/model", "s3://bench/model/model.safetensors.index.json"],
+)
+def test_prefix_and_index_resolve_to_every_shard(checkpoint: synthetic.Synthetic, source: str) -> None:
+    resolved = resolve(source)
+    assert resolved.remote and resolved.source == source and resolved.files == []
+    assert resolved.shards == {f"s3://{BUCKET}/model/{f.name}": f.stat().st_size for f in checkpoint.files}
+    assert resolved.tensor_bytes == checkpoint.tensor_bytes
+    assert resolved.tensor_count == len(json.loads(checkpoint.index.read_text())["weight_map"])
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_one_object_resolves_to_itself(checkpoint: synthetic.Synthetic) -> None:
+    shard = checkpoint.files[0]
+    resolved = resolve(f"s3://{BUCKET}/one/{shard.name}")
+    assert resolved.shards == {f"s3://{BUCKET}/one/{shard.name}": shard.stat().st_size}
+    assert 0 < resolved.tensor_bytes < shard.stat().st_size
+
+
+@pytest.mark.usefixtures("aws_env", "checkpoint")
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("s3://no-such-bucket/model/", "NoSuchBucket"),
+        (f"s3://{BUCKET}/model/missing.safetensors", "404"),
+        (f"s3://{BUCKET}/empty/", "no *.safetensors object"),
+        ("gs://bucket/model/", "s3://bucket/key"),
+    ],
+)
+def test_missing_or_empty_sources_are_source_problems(source: str, says: str) -> None:
+    with pytest.raises(SourceProblem) as exc:
+        resolve(source)
+    assert says in str(exc.value)
+    assert SECRET_KEY not in str(exc.value)
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_an_unreachable_endpoint_is_not_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as sock:  # a loopback port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("STREAMER_S3_MAX_ATTEMPTS", "1")
+    with pytest.raises(SourceUnreachable):
+        resolve(f"s3://{BUCKET}/model/")
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def test_table_is_printed_in_the_remote_state(run: dict[str, Any], s3_server: str) -> None:
+    stdout = run["proc"].stdout
+    assert f"source: s3://{BUCKET}/model/ (S3 endpoint {s3_server.removeprefix('http://')})" in stdout
+    assert "== remote:" in stdout and "cold cache" not in stdout and "warm cache" not in stdout
+    for loader in ("streamer", "safetensors", "boto3"):
+        assert any(line.startswith(loader) for line in stdout.splitlines()), loader
+    assert "s3_ranged_get (remote):" in stdout and "memcpy" in stdout
+    assert "[remote 1/" in run["proc"].stderr  # progress goes to stderr
+
+
+def test_json_validates_with_state_remote_and_s3_byte_totals(
+    run: dict[str, Any], checkpoint: synthetic.Synthetic, s3_server: str
+) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    doc = run["json"]
+    jsonschema.validate(doc, json.loads(report.SCHEMA_PATH.read_text()), cls=jsonschema.Draft202012Validator)
+    assert doc["machine"]["s3"]["endpoint_host"] == s3_server.removeprefix("http://")
+    assert doc["machine"]["filesystem"]["type"] is None
+    assert doc["options"]["cold"] is False and doc["options"]["warm"] is False
+    files = {f["path"]: f["bytes"] for f in doc["checkpoint"]["files"]}
+    assert files == {f"s3://{BUCKET}/model/{f.name}": f.stat().st_size for f in checkpoint.files}
+    assert doc["checkpoint"]["tensor_bytes"] == checkpoint.tensor_bytes
+    (section,) = doc["sections"]
+    assert section["cache"] == "remote"
+    assert section["reference"] == {"loader": "streamer", "setting": "default"}
+    by_loader = {r["loader"]: r for r in section["results"]}
+    for result in section["results"]:
+        assert result["status"] == "ok", result
+        run_ = result["runs"][0]
+        assert run_["resident_before_bytes"] is None and run_["resident_at_start_bytes"] is None
+    for loader in ("streamer", "safetensors", "runai"):
+        if loader in by_loader:
+            assert by_loader[loader]["bytes"] == checkpoint.tensor_bytes, loader
+    assert by_loader["boto3"]["bytes"] == sum(files.values())  # whole objects, headers included
+    ceilings = {c["name"]: c for c in section["ceilings"]}
+    assert ceilings["s3_ranged_get"]["gbps"] == pytest.approx(by_loader["boto3"]["gbps"])
+    assert "64 connections" in ceilings["s3_ranged_get"]["detail"]
+    local = ceilings["read_buffered"]
+    assert local["gbps"] is None and "not applicable" in local["error"]
+    assert (run["out"] / "result.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_runai_reads_s3_when_installed(run: dict[str, Any], checkpoint: synthetic.Synthetic) -> None:
+    skipped = {s["loader"]: s for s in run["json"]["skipped"]}
+    if "runai" in skipped:
+        pytest.skip(f"runai not run here: {skipped['runai']['reason']}")
+    (result,) = [r for r in run["json"]["sections"][0]["results"] if r["loader"] == "runai"]
+    assert result["status"] == "ok" and result["bytes"] == checkpoint.tensor_bytes
+
+
+def test_local_only_loaders_are_skipped(run: dict[str, Any]) -> None:
+    skipped = {s["loader"]: s for s in run["json"]["skipped"]}
+    for loader in ("fastsafetensors", "tensorizer"):
+        assert skipped[loader]["reason"] == "local files only"
+        assert f"skipped {loader}: local files only" in run["proc"].stdout
+
+
+def test_no_secret_in_any_output(run: dict[str, Any]) -> None:
+    text = run["proc"].stdout + run["proc"].stderr + (run["out"] / "result.json").read_text()
+    assert SECRET_KEY not in text and ACCESS_KEY not in text
+
+
+def test_a_peer_without_its_s3_package_is_skipped_with_the_pip_command(
+    s3_server: str, checkpoint: synthetic.Synthetic
+) -> None:
+    proc = bench(
+        "--source",
+        f"s3://{BUCKET}/model/model.safetensors.index.json",
+        "--loaders",
+        "runai",
+        "--no-ceilings",
+        env=aws_variables(s3_server) | {"STREAMER_BENCH_HIDE": "runai_model_streamer_s3"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if "skipped runai: not installed" in proc.stdout:
+        pytest.skip("runai-model-streamer is not installed here")
+    assert "skipped runai: S3 support not installed (runai_model_streamer_s3 does not import)" in proc.stdout
+    assert "pip install runai-model-streamer-s3" in proc.stdout
+
+
+@pytest.mark.usefixtures("checkpoint")
+def test_a_missing_bucket_is_a_usage_error(s3_server: str) -> None:
+    proc = bench("--source", "s3://no-such-bucket/model/", env=aws_variables(s3_server), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("streamer-bench: error:") and "no-such-bucket" in last and "NoSuchBucket" in last
+
+
+def test_cache_states_do_not_apply_to_s3() -> None:
+    """``--warm`` likewise (test_bench checks both flags in-process)."""
+    proc = bench("--source", f"s3://{BUCKET}/model/", "--cold", timeout=120)
+    assert proc.returncode == 2
+    assert "--cold does not apply to an S3 source" in proc.stderr and "remote" in proc.stderr
