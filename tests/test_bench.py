@@ -147,6 +147,32 @@ def test_a_cold_figure_is_refused_when_eviction_fails(
     assert all(not r.valid and r.error and "not cold" in r.error for r in config.runs)
 
 
+def test_rounds_after_the_first_are_shuffled_so_neighbours_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    files = [str(f) for f in made.files]
+    index = str(made.index)
+    configs = [runner.Config(Setting("streamer", (("concurrency", c),)), files, index) for c in range(1, 7)]
+    order: list[int] = []
+    monkeypatch.setattr(runner, "_prepare", lambda config, state: (0, None))
+
+    def child(request: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+        order.append(request["knobs"]["concurrency"])
+        return {"ok": False, "error": "not run"}
+
+    monkeypatch.setattr(runner, "call_child", child)
+    runner.run_section(
+        configs, "warm", 4, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None
+    )
+    rounds = [order[i : i + 6] for i in range(0, len(order), 6)]
+    assert rounds[0] == [1, 2, 3, 4, 5, 6]  # the first round in table order
+    assert all(sorted(r) == [1, 2, 3, 4, 5, 6] for r in rounds)  # every setting once per round
+    predecessors = {c: {r[r.index(c) - 1] for r in rounds if r.index(c) > 0} for c in range(2, 7)}
+    assert any(len(p) > 1 for p in predecessors.values())
+    assert rounds == [[c.setting.knobs[0][1] for c in runner.round_order(configs, i)] for i in range(4)]
+
+
 @pytest.mark.parametrize(
     "args",
     [

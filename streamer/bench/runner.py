@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -112,6 +113,14 @@ def _check_start(run: Run, state: str, config: Config) -> None:
         run.valid, run.error = False, f"not warm at the start of the clock: {file_bytes - seen} bytes missing"
 
 
+def round_order(configs: Sequence[Config], round_index: int) -> list[Config]:
+    """Round 0 as given (the first figures come in the order the table lists); later rounds shuffled."""
+    order = list(configs)
+    if round_index > 0:
+        random.Random(round_index).shuffle(order)
+    return order
+
+
 def run_section(
     configs: Sequence[Config],
     state: str,
@@ -122,12 +131,14 @@ def run_section(
     timeout: float,
     progress: Callable[[str], None],
 ) -> None:
-    """``repeat`` rounds over every config, in the same order each round, in ``state`` (cold, warm
-    or remote)."""
+    """``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
+    the given order, each later one shuffled (seeded, so reproducible). A run pays for the memory
+    the run before it freed (on VMs that hand free pages back to the host, by up to 3x), so no
+    setting may always follow the same neighbour."""
     total = repeat * len(configs)
     n = 0
     for r in range(repeat):
-        for config in configs:
+        for config in round_order(configs, r):
             n += 1
             label = f"{config.setting.loader} {config.setting.label}"
             resident, problem = _prepare(config, state)
