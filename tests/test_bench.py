@@ -256,3 +256,24 @@ def test_python_read_ceiling_without_fio(tmp_path: Path) -> None:
     assert [c.name for c in found] == ["read_buffered", "read_direct"]
     assert all(c.method == "python" and c.gbps and c.gbps > 0 for c in found)
     assert [s["jobs"] for s in found[0].samples] == list(ceilings.JOB_COUNTS)
+
+
+def test_read_ceiling_is_the_best_median_not_the_best_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One lucky run must not set the ceiling: each reader count's median counts."""
+    made = synthetic.generate(tmp_path, 8 * MiB, 2)
+    seconds = iter([1.0, 2.0, 1.0, 1.0, 0.1, 2.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0])  # rounds x (1, 2, 4, 8)
+
+    def fake_rate(waves: list[list[tuple[Path, int, int]]], direct: bool) -> tuple[int, float]:
+        return 1_000_000_000, next(seconds)
+
+    monkeypatch.setattr(ceilings, "_python_rate", fake_rate)
+    rounds: list[str] = []
+    (found,) = ceilings.storage_ceilings(
+        made.files, "warm", lambda: rounds.append("prepared"), modes=("buffered",), use_fio=False, repeat=3
+    )
+    assert [s["jobs"] for s in found.samples] == list(ceilings.JOB_COUNTS) * 3  # rounds interleave counts
+    assert len(rounds) == 12
+    assert found.gbps == pytest.approx(1.0)  # 1 job: 1, 10, 1 GB/s -> median 1; never the lucky 10
+    assert found.detail.startswith("1 job(s), 1 MiB reads, median of 3 (min-max 1.00-10.00)")

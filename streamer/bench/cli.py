@@ -395,7 +395,13 @@ def run_sections(
 
             modes = ("buffered", "direct") if state == "cold" else ("buffered",)
             found = ceilings.storage_ceilings(
-                checkpoint.files, state, prepare, modes=modes, use_fio=args.fio, progress=progress
+                checkpoint.files,
+                state,
+                prepare,
+                modes=modes,
+                use_fio=args.fio,
+                repeat=args.repeat,
+                progress=progress,
             )
         configs = [runner.Config(setting, files, checkpoint.source) for setting, files in planned]
         runner.run_section(

@@ -181,7 +181,7 @@ def render(document: dict[str, Any]) -> str:
             what = (
                 "S3 ceiling (plain boto3 ranged GETs through the same endpoint, its best setting)"
                 if sec["cache"] == "remote"
-                else "storage ceilings (sequential read of the same files, best of 1..8 jobs)"
+                else "storage ceilings (sequential read of the same files, best median of 1..8 jobs)"
             )
             out += ["", f"-- {sec['cache']}: {what}", *(_ceiling_line(c) for c in sec["ceilings"])]
     if document["memory_ceilings"]:
