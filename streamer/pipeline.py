@@ -223,6 +223,10 @@ def start_engine(
     """
     objects = {index: checkpoint.object_of(file) for index, file in enumerate(files)}
     remote = {index: info for index, info in objects.items() if info is not None}
+    spans: dict[int, tuple[int, int]] = {}  # engine file -> the bytes this run reads of it
+    for unit in units:
+        begin, end = spans.get(unit.file, (unit.begin, unit.end))
+        spans[unit.file] = (min(begin, unit.begin), max(end, unit.end))
     workers = 1 if len(remote) == len(files) else config.concurrency
     reader = Reader(native.Engine(workers, units))
     try:
@@ -232,7 +236,8 @@ def start_engine(
                 engine_index = reader.add_external_file()
             else:
                 try:
-                    engine_index, direct = reader.add_file(path, _wants_direct(config, path))
+                    direct = _wants_direct(config, path, spans.get(index, (0, 0)))
+                    engine_index, direct = reader.add_file(path, direct)
                 except OSError as exc:
                     raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
                 metrics.file_opened(direct)
@@ -249,14 +254,16 @@ def start_engine(
     return reader
 
 
-def _wants_direct(config: StreamerConfig, path: str) -> bool:
-    """O_DIRECT for files the page cache does not hold; buffered reads for those it does."""
+def _wants_direct(config: StreamerConfig, path: str, span: tuple[int, int]) -> bool:
+    """O_DIRECT when the page cache does not hold the bytes this run reads (``span`` of the
+    file, so one tensor's read looks at its own pages only); buffered reads when it does."""
     if config.io_mode == "buffered" or config.block_size % DIRECT_IO_ALIGNMENT:
         return False
     if config.io_mode == "direct":
         return True
+    begin, end = span
     try:
-        resident, total = native.resident_bytes(path, _RESIDENCY_SAMPLE)
+        resident, total = native.resident_bytes(path, _RESIDENCY_SAMPLE, begin, end - begin)
     except OSError:
         return False
     return resident < total * _CACHED_FRACTION

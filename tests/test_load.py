@@ -36,7 +36,7 @@ from conftest import (
 
 import streamer
 from streamer.format.dtypes import DTYPES
-from streamer.pagecache import evict_and_verify
+from streamer.pagecache import evict_and_verify, resident_bytes
 
 WRITABLE = sorted(name for name in DTYPES if name in safetensors.torch._TYPES)  # what save_file can write
 NOT_WRITABLE = sorted(name for name in DTYPES if name not in safetensors.torch._TYPES)  # hand-built instead
@@ -319,6 +319,41 @@ def test_auto_mode_reads_uncached_files_direct(tmp_path: Path) -> None:
     with streamer.open(written.index, config=config(io_mode="auto", block_size=64 * KiB)) as s:
         assert_same_dict(dict(iter(s)), tensors)
         assert s.metrics["buffered_files"] == 2, "cached files should be read buffered"
+
+
+def test_auto_mode_decides_from_the_bytes_a_read_needs(tmp_path: Path) -> None:
+    """``get_tensor`` of a cached tensor reads buffered, of an evicted one direct, in one file."""
+    tensors = {f"w{i}": random_tensor((MiB,), torch.uint8) for i in range(4)}
+    written = write_checkpoint(tmp_path, tensors, shards=1)
+    if not _o_direct_works(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    (shard,) = written.shards
+    last_begin, _ = _spans(shard)["w3"]  # reading the file also caches all of it
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not evicted
+        os.posix_fadvise(fd, last_begin, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if resident_bytes(shard) > last_begin + 4096:  # the page holding w3's start may stay
+        pytest.skip("the kernel kept the evicted tail cached")
+    with streamer.open(shard, config=config(io_mode="auto", block_size=64 * KiB)) as s:
+        assert_same(s.get_tensor("w0"), tensors["w0"], "w0")
+        assert s.metrics["buffered_files"] == 1, "w0's pages are cached: buffered"
+        assert_same(s.get_tensor("w3"), tensors["w3"], "w3")
+        assert s.metrics["direct_files"] == 1, "w3's pages were evicted: O_DIRECT"
+
+
+def _spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Absolute (begin, end) file offsets of each tensor's bytes."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + size])
+    return {
+        name: (8 + size + info["data_offsets"][0], 8 + size + info["data_offsets"][1])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
 
 
 # --- order ----------------------------------------------------------------------------------

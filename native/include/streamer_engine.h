@@ -143,11 +143,13 @@ void se_engine_destroy(se_engine *engine);
 void *se_alloc(size_t size, int32_t hugepage);
 void se_free(void *ptr, size_t size, int32_t hugepage);
 
-/* How many bytes of the file are in the page cache (mincore). sample_every 1 counts every
- * page; N > 1 looks at one 1 MiB window in every N and scales, N times cheaper (mincore
- * costs ~15 ms per cached GiB). Returns SE_OK or a status (SE_ERR_INVALID for N == 0). */
-int32_t se_resident_bytes(const char *path, uint32_t sample_every, uint64_t *resident,
-                          uint64_t *total, int32_t *sys_errno);
+/* How many bytes of [offset, offset + length) of the file are in the page cache (mincore); the
+ * range is clipped to the file (length UINT64_MAX: to its end) and *total gets the clipped
+ * length. sample_every 1 counts every page; N > 1 looks at one 1 MiB window in every N and
+ * scales, N times cheaper (mincore costs ~15 ms per cached GiB). Returns SE_OK or a status
+ * (SE_ERR_INVALID for N == 0). */
+int32_t se_resident_bytes(const char *path, uint64_t offset, uint64_t length, uint32_t sample_every,
+                          uint64_t *resident, uint64_t *total, int32_t *sys_errno);
 
 #ifdef __cplusplus
 }

@@ -14,8 +14,17 @@
  * (a head read earlier, a tail evicted) still shows up in the estimate. */
 #define WINDOW_PAGES ((size_t)256)
 
-int32_t se_resident_bytes(const char *path, uint32_t sample_every, uint64_t *resident, uint64_t *total,
-                          int32_t *sys_errno) {
+/* Bytes of page `index` (of a mapping starting at map_begin) that lie inside [begin, end). */
+static uint64_t page_overlap(uint64_t map_begin, size_t index, size_t page, uint64_t begin, uint64_t end) {
+    uint64_t first = map_begin + (uint64_t)index * page;
+    uint64_t last = first + page;
+    uint64_t lo = first > begin ? first : begin;
+    uint64_t hi = last < end ? last : end;
+    return hi > lo ? hi - lo : 0;
+}
+
+int32_t se_resident_bytes(const char *path, uint64_t offset, uint64_t length, uint32_t sample_every,
+                          uint64_t *resident, uint64_t *total, int32_t *sys_errno) {
     *resident = 0;
     *total = 0;
     *sys_errno = 0;
@@ -33,24 +42,28 @@ int32_t se_resident_bytes(const char *path, uint32_t sample_every, uint64_t *res
         close(fd);
         return SE_ERR_READ;
     }
-    *total = (uint64_t)st.st_size;
-    if (st.st_size == 0) {
+    uint64_t size = (uint64_t)st.st_size;
+    uint64_t begin = offset < size ? offset : size;
+    uint64_t end = length < size - begin ? begin + length : size;
+    *total = end - begin;
+    if (*total == 0) {
         close(fd);
         return SE_OK;
     }
-    size_t length = (size_t)st.st_size;
-    void *map = mmap(NULL, length, PROT_READ, MAP_SHARED, fd, 0);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    uint64_t map_begin = begin - begin % page;
+    size_t map_length = (size_t)(end - map_begin);
+    void *map = mmap(NULL, map_length, PROT_READ, MAP_SHARED, fd, (off_t)map_begin);
     int map_errno = errno;
     close(fd);
     if (map == MAP_FAILED) {
         *sys_errno = map_errno;
         return SE_ERR_READ;
     }
-    size_t page = (size_t)sysconf(_SC_PAGESIZE);
-    size_t pages = (length + page - 1) / page;
+    size_t pages = (map_length + page - 1) / page;
     unsigned char *vec = malloc(WINDOW_PAGES);
     if (vec == NULL) {
-        munmap(map, length);
+        munmap(map, map_length);
         return SE_ERR_NOMEM;
     }
     int32_t status = SE_OK;
@@ -64,16 +77,17 @@ int32_t se_resident_bytes(const char *path, uint32_t sample_every, uint64_t *res
             break;
         }
         for (size_t i = 0; i < count; i++) {
-            found += vec[i] & 1;
+            uint64_t bytes = page_overlap(map_begin, first + i, page, begin, end);
+            looked += bytes;
+            found += (vec[i] & 1) ? bytes : 0;
         }
-        looked += count;
     }
     if (status == SE_OK) {
-        /* Scaled from the windows looked at to the whole file; exact when sample_every is 1. */
-        uint64_t bytes = looked == pages ? found * page : (uint64_t)((double)found / (double)looked * (double)length);
+        /* Scaled from the windows looked at to the whole range; exact when sample_every is 1. */
+        uint64_t bytes = looked == *total ? found : (uint64_t)((double)found / (double)looked * (double)*total);
         *resident = bytes > *total ? *total : bytes;
     }
     free(vec);
-    munmap(map, length);
+    munmap(map, map_length);
     return status;
 }

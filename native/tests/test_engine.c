@@ -790,7 +790,7 @@ static void test_memory_and_residency(void) {
     uint64_t resident = 0;
     uint64_t total = 0;
     int32_t sys_errno = -1;
-    CHECK_EQ(se_resident_bytes(f.path, 1, &resident, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(f.path, 0, UINT64_MAX, 1, &resident, &total, &sys_errno), SE_OK);
     CHECK_EQ(total, size);
     CHECK(resident > 0 && resident <= size);
 
@@ -798,17 +798,17 @@ static void test_memory_and_residency(void) {
     int len = snprintf(missing, sizeof(missing), "%s.missing", f.path);
     CHECK(len > 0 && (size_t)len < sizeof(missing));
     sys_errno = -1;
-    CHECK_EQ(se_resident_bytes(missing, 1, &resident, &total, &sys_errno), SE_ERR_OPEN);
+    CHECK_EQ(se_resident_bytes(missing, 0, UINT64_MAX, 1, &resident, &total, &sys_errno), SE_ERR_OPEN);
     CHECK_EQ(sys_errno, ENOENT);
 
     temp_file empty;
     temp_create(&empty, data, 0);
     resident = 1;
     total = 1;
-    CHECK_EQ(se_resident_bytes(empty.path, 1, &resident, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(empty.path, 0, UINT64_MAX, 1, &resident, &total, &sys_errno), SE_OK);
     CHECK_EQ(total, 0);
     CHECK_EQ(resident, 0);
-    CHECK_EQ(se_resident_bytes(f.path, 0, &resident, &total, &sys_errno), SE_ERR_INVALID);
+    CHECK_EQ(se_resident_bytes(f.path, 0, UINT64_MAX, 0, &resident, &total, &sys_errno), SE_ERR_INVALID);
 
     temp_remove(&empty);
     free(back);
@@ -830,12 +830,54 @@ static void test_sampled_residency(void) {
     uint64_t sampled = 0;
     uint64_t total = 0;
     int32_t sys_errno = -1;
-    CHECK_EQ(se_resident_bytes(f.path, 1, &exact, &total, &sys_errno), SE_OK);
-    CHECK_EQ(se_resident_bytes(f.path, 2, &sampled, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(f.path, 0, UINT64_MAX, 1, &exact, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(f.path, 0, UINT64_MAX, 2, &sampled, &total, &sys_errno), SE_OK);
     CHECK_EQ(total, size);
     CHECK_EQ(sampled, exact);
-    CHECK_EQ(se_resident_bytes(f.path, 1000, &sampled, &total, &sys_errno), SE_OK);
+    CHECK_EQ(se_resident_bytes(f.path, 0, UINT64_MAX, 1000, &sampled, &total, &sys_errno), SE_OK);
     CHECK(sampled == 0 || sampled == size); /* one window, the first, stands for the file */
+    temp_remove(&f);
+    free(data);
+}
+
+/* 9c. A range counts only its own bytes, to the byte where pages are cut; it is clipped to the
+ * file. The second half of an 8 MiB file is evicted where the filesystem lets it be. */
+static void test_ranged_residency(void) {
+    const uint64_t size = 8 * MIB;
+    const uint64_t half = size / 2;
+    unsigned char *data = random_bytes(size, 13);
+    temp_file f;
+    temp_create(&f, data, size);
+    CHECK(fdatasync(f.fd) == 0);
+    CHECK(posix_fadvise(f.fd, (off_t)half, (off_t)half, POSIX_FADV_DONTNEED) == 0);
+    uint64_t whole = 0;
+    uint64_t head = 0;
+    uint64_t tail = 0;
+    uint64_t total = 0;
+    int32_t sys_errno = -1;
+    CHECK_EQ(se_resident_bytes(f.path, 0, UINT64_MAX, 1, &whole, &total, &sys_errno), SE_OK);
+    CHECK(whole == half || whole == size); /* evicted, or a filesystem that keeps it (tmpfs) */
+    CHECK_EQ(se_resident_bytes(f.path, 0, half, 1, &head, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, half);
+    CHECK_EQ(head, half);
+    CHECK_EQ(se_resident_bytes(f.path, half, UINT64_MAX, 1, &tail, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, half);
+    CHECK_EQ(head + tail, whole);
+
+    uint64_t straddle = 0;
+    CHECK_EQ(se_resident_bytes(f.path, half - 100, 300, 1, &straddle, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, 300);
+    CHECK_EQ(straddle, whole == half ? 100 : 300);
+    CHECK_EQ(se_resident_bytes(f.path, 4097, 10, 1, &straddle, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, 10);
+    CHECK_EQ(straddle, 10);
+
+    CHECK_EQ(se_resident_bytes(f.path, size - 5, 100, 1, &straddle, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, 5); /* clipped to the file */
+    straddle = 1;
+    CHECK_EQ(se_resident_bytes(f.path, size + 5, 100, 1, &straddle, &total, &sys_errno), SE_OK);
+    CHECK_EQ(total, 0);
+    CHECK_EQ(straddle, 0);
     temp_remove(&f);
     free(data);
 }
@@ -1101,6 +1143,7 @@ int main(void) {
     RUN(test_create_destroy);
     RUN(test_memory_and_residency);
     RUN(test_sampled_residency);
+    RUN(test_ranged_residency);
     RUN(test_stats);
     RUN(test_stress);
     RUN(test_add_files_while_reading);

@@ -44,8 +44,8 @@ void se_engine_cancel(se_engine *engine);
 void se_engine_destroy(se_engine *engine);
 void *se_alloc(size_t size, int32_t hugepage);
 void se_free(void *ptr, size_t size, int32_t hugepage);
-int32_t se_resident_bytes(const char *path, uint32_t sample_every, uint64_t *resident, uint64_t *total,
-                          int32_t *sys_errno);
+int32_t se_resident_bytes(const char *path, uint64_t offset, uint64_t length, uint32_t sample_every,
+                          uint64_t *resident, uint64_t *total, int32_t *sys_errno);
 """
 
 OK = 0
@@ -59,6 +59,7 @@ ERR_THREAD = -7
 ERR_EXTERNAL = -8
 
 _LIBRARY_NAME = "libstreamer_engine.so"
+_ALL = 2**64 - 1  # a length meaning "to the end of the file"
 
 ffi = cffi.FFI()
 ffi.cdef(_CDEF)
@@ -274,12 +275,18 @@ def address(memory: Any) -> int:
     return int(ffi.cast("uintptr_t", memory))
 
 
-def resident_bytes(path: str, sample_every: int = 1) -> tuple[int, int]:
-    """(bytes cached, file size) or OSError; ``sample_every`` N > 1 estimates from every Nth MiB."""
+def resident_bytes(
+    path: str, sample_every: int = 1, offset: int = 0, length: int | None = None
+) -> tuple[int, int]:
+    """(bytes cached, bytes looked at) of ``[offset, offset + length)`` clipped to the file
+    (``length`` None: to its end), or OSError; ``sample_every`` N > 1 estimates from every Nth MiB."""
     resident = ffi.new("uint64_t *")
     total = ffi.new("uint64_t *")
     sys_errno = ffi.new("int32_t *")
-    status = _lib().se_resident_bytes(os.fsencode(path), sample_every, resident, total, sys_errno)
+    span = _ALL if length is None else length
+    status = _lib().se_resident_bytes(
+        os.fsencode(path), offset, span, sample_every, resident, total, sys_errno
+    )
     if status != OK:
         code = sys_errno[0]
         raise OSError(code, os.strerror(code) if code else f"engine status {status}", path)
