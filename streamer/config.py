@@ -173,8 +173,8 @@ class StreamerConfig:
     memory_limit: cap on host bytes held by a streaming load (in flight, undelivered and
         still referenced by the consumer); ``None`` means unbounded. ``load()`` keeps every
         tensor, so it ignores the limit.
-    io_mode: ``auto`` reads files already in the page cache buffered and the others with
-        O_DIRECT; ``buffered`` or ``direct`` force one strategy for every file.
+    io_mode: ``auto`` reads a file buffered when the page cache holds most of the bytes this
+        read needs of it, else with O_DIRECT; ``buffered`` or ``direct`` force one strategy.
     hugepages: back CPU destinations with transparent huge pages. Off by default: on the
         VMs we measure on, fresh huge pages fault in at 1.3-6.9 GB/s from run to run while
         4 KiB pages hold a steady ~2.4 GB/s (see the issue notes); bare metal may prefer on.
