@@ -12,17 +12,25 @@ a request that matches a queued fault gets that fault instead of (or on top of) 
 Faults are queued with ``inject(kind, times=N)`` ("N times, then success"); ``times=None`` makes
 it persistent. Only ranged GETs of tensor data are hit by default (the ``match`` predicate gets
 the method, the path and the headers). Responses always close the connection.
+
+It is also a forward proxy, as ``HTTP_PROXY`` names one: a request in absolute form
+(``GET http://host/path``) is sent upstream in origin form, and ``CONNECT`` opens a tunnel to the
+upstream (whatever host it names: everything here is on loopback). ``proxied`` counts both and
+``proxy_authorizations`` keeps their ``Proxy-Authorization`` values; with ``require_authorization``
+set, a ``CONNECT`` without that value gets ``407``.
 """
 
 from __future__ import annotations
 
 import http.client
+import select
 import socket
 import socketserver
 import struct
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 Match = Callable[[str, str, Mapping[str, str]], bool]
 
@@ -59,6 +67,9 @@ class FaultProxy:
     faults: list[_Fault] = field(default_factory=list)
     injected: int = 0
     requests: int = 0
+    proxied: int = 0
+    proxy_authorizations: list[str] = field(default_factory=list)
+    require_authorization: str | None = None
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,6 +103,8 @@ class FaultProxy:
             self.faults.clear()
             self.injected = 0
             self.requests = 0
+            self.proxied = 0
+            self.proxy_authorizations.clear()
 
     def close(self) -> None:
         self._stop.set()
@@ -124,6 +137,16 @@ class FaultProxy:
             name, _, value = line.partition(":")
             headers.append((name.strip(), value.strip()))
         lower = {k.lower(): v for k, v in headers}
+        if "://" in path or method == "CONNECT":
+            with self._lock:
+                self.proxied += 1
+                self.proxy_authorizations.append(lower.get("proxy-authorization", ""))
+            headers = [(k, v) for k, v in headers if not k.lower().startswith("proxy-")]
+            if method == "CONNECT":
+                self._tunnel(client, lower.get("proxy-authorization"))
+                return
+            parts = urlsplit(path)
+            path = parts.path + (f"?{parts.query}" if parts.query else "")
         body = reader.read(int(lower.get("content-length", "0") or 0))
         fault = self._take(method, path, lower)
         if fault in _ERRORS:
@@ -167,3 +190,23 @@ class FaultProxy:
         elif fault == "stall":
             self._stop.wait(self.stall_seconds)
         # "short": a clean close with the body half sent
+
+    def _tunnel(self, client: socket.socket, authorization: str | None) -> None:
+        if self.require_authorization is not None and authorization != self.require_authorization:
+            client.sendall(b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n")
+            return
+        upstream = socket.create_connection(self.upstream, timeout=60)
+        try:
+            client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            ends = [client, upstream]
+            while not self._stop.is_set():
+                readable, _, _ = select.select(ends, [], [], 0.2)
+                for end in readable:
+                    data = end.recv(65536)
+                    if not data:
+                        return
+                    (upstream if end is client else client).sendall(data)
+        except OSError:
+            return
+        finally:
+            upstream.close()

@@ -9,6 +9,8 @@ error that names the object, and nothing (threads, descriptors, sockets) is left
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import gc
 import logging
 import threading
@@ -36,9 +38,12 @@ from conftest import (
 )
 from copy_standin import StandIn
 from s3_faults import FaultProxy, any_get
+from tls_relay import TlsRelay
 
 import streamer
 from streamer import S3Config, S3Error, S3SourceError, SourceError, StreamerConfig
+from streamer.backends import http as http_backend
+from streamer.backends.http import Proxy, ProxyError, Target, UnsupportedProxy
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -363,6 +368,120 @@ def test_early_exit_and_failure_leave_nothing_behind(
     proxy.inject("404", times=None)
     with pytest.raises(S3Error):
         streamer.load(f"s3://{BUCKET}/dtypes/", config=cfg(proxy.endpoint_url))
+
+
+# --- proxies (HTTP_PROXY / NO_PROXY) ----------------------------------------------------------
+
+
+def _proxy_environment(monkeypatch: pytest.MonkeyPatch, url: str | None, no_proxy: str | None) -> None:
+    for name in ("http_proxy", "https_proxy", "no_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    if url is not None:
+        monkeypatch.setenv("HTTP_PROXY", url)
+    if no_proxy is not None:
+        monkeypatch.setenv("NO_PROXY", no_proxy)
+
+
+def test_data_and_headers_go_through_the_environment_proxy(
+    s3_server: str, proxy: FaultProxy, single: Written, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like boto3, every request follows HTTP_PROXY (with its credentials), data GETs included."""
+    host_port = proxy.endpoint_url.removeprefix("http://")
+    _proxy_environment(monkeypatch, f"http://loader:p%40ss@{host_port}", None)
+    uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
+    with streamer.open(uri, config=cfg(s3_server)) as handle:
+        got = dict(iter(handle))
+        blocks = handle.metrics["blocks"]
+    assert_same_dict(got, reference_load(single.shards))
+    assert blocks > 1
+    assert proxy.proxied >= blocks + 1  # every data GET and the header read
+    expected = "Basic " + base64.b64encode(b"loader:p@ss").decode()
+    assert set(proxy.proxy_authorizations) == {expected}
+
+
+def test_no_proxy_bypasses_the_proxy(
+    s3_server: str, proxy: FaultProxy, single: Written, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _proxy_environment(monkeypatch, proxy.endpoint_url, "127.0.0.1")
+    got = streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(s3_server))
+    assert_same_dict(got, reference_load(single.shards))
+    assert proxy.requests == 0
+
+
+def test_https_endpoint_through_a_connect_proxy(
+    s3_server: str, single: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTPS_PROXY with an https endpoint: CONNECT tunnels, TLS verified end to end (our CA)."""
+    host, port = s3_server.removeprefix("http://").split(":")
+    relay = TlsRelay((host, int(port)), tmp_path)
+    proxy = FaultProxy(relay.address)
+    try:
+        _proxy_environment(monkeypatch, None, None)
+        monkeypatch.setenv("HTTPS_PROXY", proxy.endpoint_url)
+        config = cfg(relay.endpoint_url, ca_bundle=str(relay.ca_file))
+        with streamer.open(f"s3://{BUCKET}/single/{single.shards[0].name}", config=config) as handle:
+            got = dict(iter(handle))
+        assert_same_dict(got, reference_load(single.shards))
+        assert proxy.proxied >= 2  # the client's header read and at least one data connection
+        assert proxy.requests == 0  # nothing but CONNECTs reached the proxy
+    finally:
+        proxy.close()
+        relay.close()
+
+
+def test_connect_tunnel_reaches_the_server(s3_server: str, proxy: FaultProxy) -> None:
+    """The CONNECT handshake that https endpoints use (TLS then runs over the returned socket)."""
+    target = Target.parse(f"{s3_server}/")
+    host, port = proxy.endpoint_url.removeprefix("http://").split(":")
+    tunnel = asyncio.run(http_backend._tunnel(Proxy(host, int(port), None), target))
+    try:
+        tunnel.setblocking(True)
+        tunnel.sendall(f"GET / HTTP/1.1\r\nHost: {target.netloc}\r\nConnection: close\r\n\r\n".encode())
+        assert tunnel.recv(12).startswith(b"HTTP/1.1 ")  # the S3 server answered through the tunnel
+    finally:
+        tunnel.close()
+    assert proxy.proxied == 1
+
+
+def test_a_refused_tunnel_is_a_typed_error(s3_server: str, proxy: FaultProxy) -> None:
+    proxy.require_authorization = "Basic c2VjcmV0"
+    target = Target.parse(f"{s3_server}/")
+    host, port = proxy.endpoint_url.removeprefix("http://").split(":")
+    with pytest.raises(ProxyError, match="407") as caught:
+        asyncio.run(http_backend._tunnel(Proxy(host, int(port), None), target))
+    assert caught.value.status == 407
+    assert asyncio.run(http_backend._tunnel(Proxy(host, int(port), "Basic c2VjcmV0"), target)).close() is None
+
+
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({"HTTP_PROXY": "http://proxy.internal:3128"}, Proxy("proxy.internal", 3128, None)),
+        ({"HTTP_PROXY": "proxy.internal:3128"}, Proxy("proxy.internal", 3128, None)),
+        ({"HTTP_PROXY": "http://u:p@proxy.internal"}, Proxy("proxy.internal", 80, "Basic dTpw")),
+        ({"HTTP_PROXY": "http://proxy.internal:3128", "NO_PROXY": "s3.example.com"}, None),
+        ({"HTTP_PROXY": "http://proxy.internal:3128", "NO_PROXY": ".example.com"}, None),
+        ({"HTTPS_PROXY": "http://proxy.internal:3128"}, None),  # the target is http
+        ({}, None),
+    ],
+)
+def test_proxy_choice_follows_the_environment(
+    monkeypatch: pytest.MonkeyPatch, environment: dict[str, str], expected: Proxy | None
+) -> None:
+    _proxy_environment(monkeypatch, None, None)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert Proxy.for_target(Target.parse("http://s3.example.com/models/w.safetensors?X-Amz=1")) == expected
+
+
+def test_an_https_proxy_url_is_refused_with_a_clear_error(
+    s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _proxy_environment(monkeypatch, None, None)
+    monkeypatch.setenv("HTTP_PROXY", "https://127.0.0.1:9")
+    with pytest.raises(UnsupportedProxy, match="only http:// proxies"):
+        Proxy.for_target(Target.parse(f"{s3_server}/"))
 
 
 # --- credentials --------------------------------------------------------------------------------

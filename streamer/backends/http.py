@@ -9,19 +9,27 @@ addressing style, region, credentials and session token all as the client resolv
 this module sends the GETs: one persistent keep-alive connection per worker, ``Range`` and
 ``If-Match`` headers, the status line and headers parsed here, the body written where it belongs.
 
+Proxies: the ones the environment names (``HTTP_PROXY``, ``HTTPS_PROXY``, ``NO_PROXY``), chosen
+by botocore's own rule, so the data GETs take the same path as the client's header reads and
+listings. Plain ``http`` targets are asked for in absolute form; ``https`` ones go through a
+``CONNECT`` tunnel with TLS end to end. Only ``http://`` proxies are supported.
+
 Nothing here retries or knows S3 semantics beyond reading an error's ``<Code>``; failures are
-``HttpFailure`` (an answer that is not the bytes asked for) or ``OSError`` / ``TimeoutError``
-(the connection broke or stalled), and ``received`` tells the caller how far the body got.
+``HttpFailure`` (an answer that is not the bytes asked for), ``ProxyError`` (the proxy refused
+the tunnel) or ``OSError`` / ``TimeoutError`` (the connection broke or stalled), and
+``received`` tells the caller how far the body got.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
+import socket
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 _HEAD_LIMIT = 64 * 1024
 _ERROR_BODY_LIMIT = 64 * 1024
@@ -48,6 +56,51 @@ class Target:
         if parts.query:
             target += "?" + parts.query
         return cls(parts.scheme, parts.hostname, port, parts.netloc, target)
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.netloc}{self.target}"
+
+
+@dataclass(frozen=True)
+class Proxy:
+    """An ``http://`` proxy and the ``Proxy-Authorization`` its URL's user:password give."""
+
+    host: str
+    port: int
+    authorization: str | None
+
+    @classmethod
+    def for_target(cls, target: Target) -> Proxy | None:
+        """The proxy the environment names for ``target``, by botocore's rule (NO_PROXY included)."""
+        from botocore.utils import get_environ_proxies
+
+        url = get_environ_proxies(target.url).get(target.scheme)
+        if not url:
+            return None
+        if "://" not in url:  # "proxy:3128" or "//proxy:3128", as botocore accepts them
+            url = "http://" + url.removeprefix("//")
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            where = parts.hostname or "?"
+            raise UnsupportedProxy(f"unsupported proxy {parts.scheme}://{where}: only http:// proxies work")
+        authorization = None
+        if parts.username is not None:
+            secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+            authorization = "Basic " + base64.b64encode(secret).decode("ascii")
+        return cls(parts.hostname, parts.port or 80, authorization)
+
+
+class UnsupportedProxy(ValueError):
+    """The environment names a proxy this client cannot use (not ``http://``)."""
+
+
+class ProxyError(ConnectionError):
+    """The proxy answered a ``CONNECT`` with something other than success."""
+
+    def __init__(self, status: int, line: str) -> None:
+        super().__init__(f"the proxy refused the tunnel: {line}")
+        self.status = status
 
 
 class HttpFailure(Exception):
@@ -229,6 +282,7 @@ class Connection:
         self._read_timeout = read_timeout
         self._where: tuple[str, str, int] | None = None
         self._protocol: _Response | None = None
+        self._proxy: Proxy | None = None  # the proxy of the open connection
         self.received = 0  # body bytes the last get() wrote
         self.headers: dict[str, str] = {}  # response headers of the last get()
 
@@ -240,13 +294,16 @@ class Connection:
         protocol = await self._open(target)
         assert protocol.transport is not None
         end = begin + len(dst) - 1
+        forwarded = self._proxy is not None and target.scheme == "http"  # tunnels carry origin form
         lines = [
-            f"GET {target.target} HTTP/1.1",
+            f"GET {target.url if forwarded else target.target} HTTP/1.1",
             f"Host: {target.netloc}",
             f"Range: bytes={begin}-{end}",
             "Accept-Encoding: identity",
             "User-Agent: streamer",
         ]
+        if forwarded and self._proxy is not None and self._proxy.authorization:
+            lines.append(f"Proxy-Authorization: {self._proxy.authorization}")
         lines += [f"{name}: {value}" for name, value in headers.items()]
         done = protocol.start(dst)
         protocol.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
@@ -283,26 +340,83 @@ class Connection:
             self.close()
             protocol = None
         if protocol is None:
-            loop = asyncio.get_running_loop()
-            use_ssl = self._ssl() if target.scheme == "https" else None  # loading CAs costs 0.1 s
-            _, protocol = await asyncio.wait_for(
-                loop.create_connection(
-                    _Response,
-                    target.host,
-                    target.port,
-                    ssl=use_ssl,
-                    server_hostname=target.host if use_ssl else None,
-                ),
-                self._connect_timeout,
-            )
-            self._protocol, self._where = protocol, where
+            proxy = Proxy.for_target(target)
+            protocol = await asyncio.wait_for(self._connect(target, proxy), self._connect_timeout)
+            self._protocol, self._where, self._proxy = protocol, where, proxy
         assert protocol is not None
+        return protocol
+
+    async def _connect(self, target: Target, proxy: Proxy | None) -> _Response:
+        loop = asyncio.get_running_loop()
+        use_ssl = self._ssl() if target.scheme == "https" else None  # loading CAs costs 0.1 s
+        if proxy is None:
+            hostname = target.host if use_ssl else None
+            _, protocol = await loop.create_connection(
+                _Response, target.host, target.port, ssl=use_ssl, server_hostname=hostname
+            )
+        elif use_ssl is None:
+            _, protocol = await loop.create_connection(_Response, proxy.host, proxy.port)
+        else:
+            tunnel = await _tunnel(proxy, target)
+            try:
+                _, protocol = await loop.create_connection(
+                    _Response, sock=tunnel, ssl=use_ssl, server_hostname=target.host
+                )
+            except BaseException:
+                tunnel.close()
+                raise
         return protocol
 
     def close(self) -> None:
         protocol, self._protocol = self._protocol, None
         if protocol is not None and protocol.transport is not None:
             protocol.transport.abort()  # no lingering FIN_WAIT; nothing more is sent anyway
+
+
+async def _tunnel(proxy: Proxy, target: Target) -> socket.socket:
+    """A socket connected to ``target`` through ``proxy``'s ``CONNECT``, for TLS to run over."""
+    loop = asyncio.get_running_loop()
+    tunnel: socket.socket | None = None
+    failure: OSError = OSError(f"the proxy {proxy.host} has no address")
+    addresses = await loop.getaddrinfo(proxy.host, proxy.port, type=socket.SOCK_STREAM)
+    for family, kind, proto, _, address in addresses:
+        candidate = socket.socket(family, kind, proto)
+        candidate.setblocking(False)
+        try:
+            await loop.sock_connect(candidate, address)
+        except OSError as exc:
+            candidate.close()
+            failure = exc
+            continue
+        except BaseException:
+            candidate.close()
+            raise
+        tunnel = candidate
+        break
+    if tunnel is None:
+        raise failure
+    try:
+        lines = [f"CONNECT {target.host}:{target.port} HTTP/1.1", f"Host: {target.host}:{target.port}"]
+        if proxy.authorization:
+            lines.append(f"Proxy-Authorization: {proxy.authorization}")
+        await loop.sock_sendall(tunnel, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        reply = b""
+        while b"\r\n\r\n" not in reply:  # the server speaks first in no TLS version: no bytes follow
+            chunk = await loop.sock_recv(tunnel, 4096)
+            if not chunk:
+                raise ConnectionError("the proxy closed the connection during CONNECT")
+            reply += chunk
+            if len(reply) > _HEAD_LIMIT:
+                raise ConnectionError("the proxy's CONNECT reply has no end")
+        line = reply.split(b"\r\n", 1)[0].decode("latin-1")
+        fields = line.split(" ", 2)
+        status = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
+        if not 200 <= status < 300:
+            raise ProxyError(status, line)
+    except BaseException:
+        tunnel.close()
+        raise
+    return tunnel
 
 
 def ssl_context(ca_bundle: str | None, verify: bool) -> ssl.SSLContext:

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from streamer.backends.http import Connection, HttpFailure, Target, ssl_context
+from streamer.backends.http import Connection, HttpFailure, ProxyError, Target, UnsupportedProxy, ssl_context
 from streamer.config import S3Config
 from streamer.engine import native
 from streamer.errors import S3Error, S3SourceError, SourceError
@@ -129,6 +129,10 @@ def _classify(exc: Exception) -> _Retry | _Fatal:
         return exc
     if isinstance(exc, HttpFailure):
         return _classify_status(exc.status, exc.code)
+    if isinstance(exc, ProxyError):  # a proxy's 5xx may pass; its 403 or 407 will not
+        return _Retry(str(exc), exc.status) if exc.status >= 500 else _Fatal(str(exc), exc.status)
+    if isinstance(exc, UnsupportedProxy):
+        return _Fatal(str(exc))
     if isinstance(exc, be.ClientError):
         response: Mapping[str, Any] = exc.response
         return _classify_status(
