@@ -26,6 +26,7 @@ import http.client
 import select
 import socket
 import socketserver
+import ssl
 import struct
 import threading
 from collections.abc import Callable, Mapping
@@ -53,6 +54,49 @@ def any_get(method: str, path: str, headers: Mapping[str, str]) -> bool:
     return method == "GET"
 
 
+class LoopbackServer:
+    """A threaded TCP server on 127.0.0.1 that runs ``handle`` on each accepted socket."""
+
+    def __init__(self, handle: Callable[[socket.socket], None], name: str) -> None:
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                handle(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = False  # server_close() joins the handlers: none outlives close()
+            allow_reuse_address = True
+            block_on_close = True
+
+        self._server = Server(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def relay(one: socket.socket, other: socket.socket, stop: threading.Event) -> None:
+    """Copies bytes both ways until either side closes or ``stop`` is set."""
+    try:
+        while not stop.is_set():
+            # A TLS socket may hold decrypted bytes that select() cannot see: those go first.
+            pending = [end for end in (one, other) if isinstance(end, ssl.SSLSocket) and end.pending()]
+            for end in pending or select.select([one, other], [], [], 0.2)[0]:
+                data = end.recv(65536)
+                if not data:
+                    return
+                (other if end is one else one).sendall(data)
+    except OSError:
+        return
+
+
 @dataclass
 class _Fault:
     kind: str
@@ -74,24 +118,11 @@ class FaultProxy:
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        proxy = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                proxy._handle(self.request)
-
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = False  # server_close() joins the handlers: none outlives close()
-            allow_reuse_address = True
-            block_on_close = True
-
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True)
-        self._thread.start()
+        self._server = LoopbackServer(self._handle, "fault-proxy")
 
     @property
     def endpoint_url(self) -> str:
-        host, port = self._server.server_address[:2]
+        host, port = self._server.address
         return f"http://{host}:{port}"
 
     def inject(self, kind: str, *, times: int | None = 1, match: Match = data_gets) -> None:
@@ -108,9 +139,7 @@ class FaultProxy:
 
     def close(self) -> None:
         self._stop.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._server.close()
 
     def _take(self, method: str, path: str, headers: Mapping[str, str]) -> str | None:
         with self._lock:
@@ -198,15 +227,6 @@ class FaultProxy:
         upstream = socket.create_connection(self.upstream, timeout=60)
         try:
             client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            ends = [client, upstream]
-            while not self._stop.is_set():
-                readable, _, _ = select.select(ends, [], [], 0.2)
-                for end in readable:
-                    data = end.recv(65536)
-                    if not data:
-                        return
-                    (upstream if end is client else client).sendall(data)
-        except OSError:
-            return
+            relay(client, upstream, self._stop)
         finally:
             upstream.close()

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import select
 import socket
-import socketserver
 import ssl
 import threading
 from pathlib import Path
+
+from s3_faults import LoopbackServer, relay
 
 
 def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
@@ -52,57 +52,33 @@ def self_signed_certificate(directory: Path) -> tuple[Path, Path]:
 class TlsRelay:
     def __init__(self, upstream: tuple[str, int], directory: Path) -> None:
         self.ca_file, key_file = self_signed_certificate(directory)
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(self.ca_file, key_file)
+        self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._context.load_cert_chain(self.ca_file, key_file)
+        self._upstream = upstream
         self._stop = threading.Event()
-        relay = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                try:
-                    client = context.wrap_socket(self.request, server_side=True)
-                except (OSError, ssl.SSLError):
-                    return  # a client that gave up on the handshake
-                relay._relay(client, upstream)
-
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = False  # server_close() joins the handlers: none outlives close()
-            allow_reuse_address = True
-            block_on_close = True
-
-        self._server = Server(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="tls-relay", daemon=True)
-        self._thread.start()
+        self._server = LoopbackServer(self._handle, "tls-relay")
 
     @property
     def endpoint_url(self) -> str:
-        host, port = self._server.server_address[:2]
+        host, port = self.address
         return f"https://{host}:{port}"
 
     @property
     def address(self) -> tuple[str, int]:
-        host, port = self._server.server_address[:2]
-        return str(host), int(port)
+        return self._server.address
 
     def close(self) -> None:
         self._stop.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._server.close()
 
-    def _relay(self, client: ssl.SSLSocket, upstream_address: tuple[str, int]) -> None:
-        upstream = socket.create_connection(upstream_address, timeout=60)
+    def _handle(self, accepted: socket.socket) -> None:
         try:
-            while not self._stop.is_set():
-                # TLS may hold decrypted bytes that select() cannot see: drain those first.
-                readable = [client] if client.pending() else select.select([client, upstream], [], [], 0.2)[0]
-                for end in readable:
-                    data = end.recv(65536)
-                    if not data:
-                        return
-                    (upstream if end is client else client).sendall(data)
-        except OSError:
-            return
+            client = self._context.wrap_socket(accepted, server_side=True)
+        except (OSError, ssl.SSLError):
+            return  # a client that gave up on the handshake
+        upstream = socket.create_connection(self._upstream, timeout=60)
+        try:
+            relay(client, upstream, self._stop)
         finally:
             upstream.close()
             client.close()
