@@ -410,7 +410,7 @@ def test_no_proxy_bypasses_the_proxy(
 
 
 def test_https_endpoint_through_a_connect_proxy(
-    s3_server: str, single: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    s3_server: str, single: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_leaks: None
 ) -> None:
     """HTTPS_PROXY with an https endpoint: CONNECT tunnels, TLS verified end to end (our CA)."""
     host, port = s3_server.removeprefix("http://").split(":")
@@ -425,6 +425,27 @@ def test_https_endpoint_through_a_connect_proxy(
         assert_same_dict(got, reference_load(single.shards))
         assert proxy.proxied >= 2  # the client's header read and at least one data connection
         assert proxy.requests == 0  # nothing but CONNECTs reached the proxy
+    finally:
+        proxy.close()
+        relay.close()
+
+
+def test_a_proxy_refusing_the_tunnel_fails_at_once(
+    s3_server: str, single: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_leaks: None
+) -> None:
+    host, port = s3_server.removeprefix("http://").split(":")
+    relay = TlsRelay((host, int(port)), tmp_path)
+    proxy = FaultProxy(relay.address, require_authorization="Basic c2VjcmV0")
+    try:
+        _proxy_environment(monkeypatch, None, None)
+        monkeypatch.setenv("HTTPS_PROXY", proxy.endpoint_url)
+        key = f"single/{single.shards[0].name}"
+        config = cfg(relay.endpoint_url, ca_bundle=str(relay.ca_file))
+        started = time.monotonic()
+        with pytest.raises(SourceError) as caught:
+            streamer.load(f"s3://{BUCKET}/{key}", config=config)
+        assert time.monotonic() - started < 10, "a refused tunnel is not worth retrying"
+        assert "407" in str(caught.value) and key in str(caught.value)
     finally:
         proxy.close()
         relay.close()

@@ -144,6 +144,11 @@ def _classify(exc: Exception) -> _Retry | _Fatal:
             None,
             "NoCredentials",
         )
+    if isinstance(exc, be.ProxyConnectionError):  # the client's own requests: a tunnel refused, or no proxy
+        status = getattr(exc.kwargs.get("error"), "status", None)
+        if isinstance(status, int) and status < 500:
+            return _Fatal(f"the proxy refused the tunnel: HTTP {status}", status)
+        return _Retry(f"proxy failure: {exc}", status if isinstance(status, int) else None)
     if isinstance(exc, (be.SSLError, ssl.SSLCertVerificationError)):
         return _Fatal(f"TLS failure: {type(exc).__name__}")
     if isinstance(exc, (be.HTTPClientError, be.ConnectionError, be.IncompleteReadError)):
@@ -400,7 +405,7 @@ class S3Client:
                     "attempts": attempts,
                 }
                 if isinstance(kind, _Fatal):
-                    gone = source_errors and (kind.status in (403, 404) or kind.code in _GONE_CODES)
+                    gone = source_errors and (kind.status in (403, 404, 407) or kind.code in _GONE_CODES)
                     raise (S3SourceError if gone else S3Error)(kind.reason, **where) from None
                 delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
                 out_of_time = time.monotonic() - started + delay > c.retry_deadline
