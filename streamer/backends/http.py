@@ -294,16 +294,16 @@ class Connection:
         protocol = await self._open(target)
         assert protocol.transport is not None
         end = begin + len(dst) - 1
-        forwarded = self._proxy is not None and target.scheme == "http"  # tunnels carry origin form
+        forwarder = self._proxy if target.scheme == "http" else None  # tunnels carry origin form
         lines = [
-            f"GET {target.url if forwarded else target.target} HTTP/1.1",
+            f"GET {target.url if forwarder else target.target} HTTP/1.1",
             f"Host: {target.netloc}",
             f"Range: bytes={begin}-{end}",
             "Accept-Encoding: identity",
             "User-Agent: streamer",
         ]
-        if forwarded and self._proxy is not None and self._proxy.authorization:
-            lines.append(f"Proxy-Authorization: {self._proxy.authorization}")
+        if forwarder is not None and forwarder.authorization:
+            lines.append(f"Proxy-Authorization: {forwarder.authorization}")
         lines += [f"{name}: {value}" for name, value in headers.items()]
         done = protocol.start(dst)
         protocol.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))

@@ -119,6 +119,11 @@ def _classify_status(status: int | None, code: str | None) -> _Retry | _Fatal:
     return _Fatal("request refused", status, code)
 
 
+def _classify_proxy(status: int, reason: str) -> _Retry | _Fatal:
+    """A proxy's answer to a tunnel request: its 5xx may pass, its 403 or 407 will not."""
+    return _Retry(reason, status) if status >= 500 else _Fatal(reason, status)
+
+
 def _classify(exc: Exception) -> _Retry | _Fatal:
     import ssl
 
@@ -129,8 +134,8 @@ def _classify(exc: Exception) -> _Retry | _Fatal:
         return exc
     if isinstance(exc, HttpFailure):
         return _classify_status(exc.status, exc.code)
-    if isinstance(exc, ProxyError):  # a proxy's 5xx may pass; its 403 or 407 will not
-        return _Retry(str(exc), exc.status) if exc.status >= 500 else _Fatal(str(exc), exc.status)
+    if isinstance(exc, ProxyError):
+        return _classify_proxy(exc.status, str(exc))
     if isinstance(exc, UnsupportedProxy):
         return _Fatal(str(exc))
     if isinstance(exc, be.ClientError):
@@ -146,9 +151,9 @@ def _classify(exc: Exception) -> _Retry | _Fatal:
         )
     if isinstance(exc, be.ProxyConnectionError):  # the client's own requests: a tunnel refused, or no proxy
         status = getattr(exc.kwargs.get("error"), "status", None)
-        if isinstance(status, int) and status < 500:
-            return _Fatal(f"the proxy refused the tunnel: HTTP {status}", status)
-        return _Retry(f"proxy failure: {exc}", status if isinstance(status, int) else None)
+        if isinstance(status, int):
+            return _classify_proxy(status, f"the proxy refused the tunnel: HTTP {status}")
+        return _Retry(f"proxy failure: {exc}")
     if isinstance(exc, (be.SSLError, ssl.SSLCertVerificationError)):
         return _Fatal(f"TLS failure: {type(exc).__name__}")
     if isinstance(exc, (be.HTTPClientError, be.ConnectionError, be.IncompleteReadError)):
