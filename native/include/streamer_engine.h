@@ -11,6 +11,10 @@
  * Threading: all functions may be called from one controlling thread while
  * the workers run; se_engine_wait() blocks and is meant to be called with the
  * Python GIL released (cffi does this).
+ *
+ * This header is the only declaration of the ABI: the Python binding feeds its
+ * declarations to cffi and reads its constants, so it must stay plain C (one
+ * declaration per statement, integer constants as `#define SE_NAME value`).
  */
 #ifndef STREAMER_ENGINE_H
 #define STREAMER_ENGINE_H
@@ -21,6 +25,10 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Bumped on every change to a struct layout, a signature or a constant below. The binding
+ * refuses a library whose se_abi_version() differs from the header it was installed with. */
+#define SE_ABI_VERSION 2
 
 /* Status codes: 0 is success, every failure is negative. */
 #define SE_OK 0
@@ -76,6 +84,9 @@ typedef struct se_stats {
 } se_stats;
 
 typedef struct se_engine se_engine;
+
+/* SE_ABI_VERSION as the library was compiled. */
+int32_t se_abi_version(void);
 
 /*
  * Creates an engine with n_workers threads and a copy of the unit table.

@@ -208,6 +208,10 @@ static int init_sync(se_engine *e) {
     return 1;
 }
 
+int32_t se_abi_version(void) {
+    return SE_ABI_VERSION;
+}
+
 se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n_units,
                             int32_t *status) {
     if (n_workers == 0 || (n_units > 0 && units == NULL)) {

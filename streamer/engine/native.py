@@ -1,14 +1,17 @@
 """cffi binding of the C engine (``native/``), loaded in ABI mode with ``dlopen``.
 
 The C library has no Python dependency; this module is the only place that
-knows its symbols. cffi releases the GIL around every call, so a blocking
-``wait`` lets other Python threads run.
+knows its symbols, and it takes them from the C header itself (installed beside
+the library), so the two cannot drift apart; a library built from another
+version of the header is refused when it is loaded. cffi releases the GIL
+around every call, so a blocking ``wait`` lets other Python threads run.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,53 +19,58 @@ from typing import Any, NamedTuple
 
 import cffi
 
-_CDEF = """
-typedef struct se_unit { int32_t file; uint64_t begin; uint64_t end; } se_unit;
-typedef struct se_block {
-    int32_t file; uint32_t first_unit; uint32_t last_unit;
-    uint64_t acc_begin; uint64_t acc_end; uint64_t read_offset; uint64_t read_length; void *dst;
-} se_block;
-typedef struct se_error_info {
-    int32_t code; int32_t sys_errno; int32_t file; uint64_t offset; uint64_t expected; uint64_t got;
-} se_error_info;
-typedef struct se_stats {
-    uint64_t bytes_read; uint64_t blocks_done; double read_seconds; double idle_seconds;
-} se_stats;
-typedef struct se_engine se_engine;
-se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n_units, int32_t *status);
-int32_t se_engine_add_file(se_engine *engine, const char *path, int32_t want_direct,
-                           int32_t *is_direct, int32_t *sys_errno);
-int32_t se_engine_add_external_file(se_engine *engine);
-int32_t se_engine_credit(se_engine *engine, const se_block *block);
-int32_t se_engine_fail(se_engine *engine, const se_error_info *info);
-int32_t se_engine_submit(se_engine *engine, const se_block *blocks, size_t n_blocks);
-int32_t se_engine_wait(se_engine *engine, uint32_t *unit_ids, size_t max_ids, int32_t timeout_ms,
-                       size_t *n_out);
-void se_engine_error(se_engine *engine, se_error_info *out);
-void se_engine_stats(se_engine *engine, se_stats *out);
-void se_engine_cancel(se_engine *engine);
-void se_engine_destroy(se_engine *engine);
-void *se_alloc(size_t size, int32_t hugepage);
-void se_free(void *ptr, size_t size, int32_t hugepage);
-int32_t se_resident_bytes(const char *path, uint64_t offset, uint64_t length, uint32_t sample_every,
-                          uint64_t *resident, uint64_t *total, int32_t *sys_errno);
-"""
-
-OK = 0
-ERR_NOMEM = -1
-ERR_OPEN = -2
-ERR_READ = -3
-ERR_TRUNCATED = -4
-ERR_CANCELLED = -5
-ERR_INVALID = -6
-ERR_THREAD = -7
-ERR_EXTERNAL = -8
-
+_HEADER_NAME = "streamer_engine.h"
 _LIBRARY_NAME = "libstreamer_engine.so"
 _ALL = 2**64 - 1  # a length meaning "to the end of the file"
+_DEFINE = re.compile(r"^#define\s+(SE_\w+)\s+\(?\s*(-?\d+)\s*\)?\s*$")
+
+
+def _header_path() -> Path:
+    """The header installed beside the library, or the checkout's when running from source."""
+    installed = Path(__file__).resolve().parent.parent / "_native" / _HEADER_NAME
+    if installed.is_file():
+        return installed
+    return Path(__file__).resolve().parents[2] / "native" / "include" / _HEADER_NAME
+
+
+def _parse_header(text: str) -> tuple[str, dict[str, int]]:
+    """The header's declarations for ``cffi.cdef`` and its ``SE_*`` integer constants.
+
+    cffi parses plain C declarations but no preprocessor lines, so those are taken out here
+    (comments first, then the C++ guard whole, the include guard, includes) and the
+    ``#define SE_*`` constants are read into Python ints instead.
+    """
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.DOTALL)
+    constants: dict[str, int] = {}
+    declarations = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            declarations.append(line)
+            continue
+        match = _DEFINE.match(line)
+        if match is not None:
+            constants[match.group(1)] = int(match.group(2))
+        elif line.startswith("#define SE_"):
+            raise ImportError(f"{_HEADER_NAME}: cannot read the constant {line!r} (decimal integers only)")
+    return "\n".join(declarations), constants
+
+
+_DECLARATIONS, _CONSTANTS = _parse_header(_header_path().read_text())
+
+ABI_VERSION = _CONSTANTS["SE_ABI_VERSION"]
+OK = _CONSTANTS["SE_OK"]
+ERR_NOMEM = _CONSTANTS["SE_ERR_NOMEM"]
+ERR_OPEN = _CONSTANTS["SE_ERR_OPEN"]
+ERR_READ = _CONSTANTS["SE_ERR_READ"]
+ERR_TRUNCATED = _CONSTANTS["SE_ERR_TRUNCATED"]
+ERR_CANCELLED = _CONSTANTS["SE_ERR_CANCELLED"]
+ERR_INVALID = _CONSTANTS["SE_ERR_INVALID"]
+ERR_THREAD = _CONSTANTS["SE_ERR_THREAD"]
+ERR_EXTERNAL = _CONSTANTS["SE_ERR_EXTERNAL"]
 
 ffi = cffi.FFI()
-ffi.cdef(_CDEF)
+ffi.cdef(_DECLARATIONS)
 
 
 @functools.cache
@@ -75,7 +83,17 @@ def _lib() -> Any:
             f"streamer's native engine is missing at {path}; install the package with `pip install .` "
             "(it builds native/ with CMake)"
         )
-    return ffi.dlopen(str(path))
+    lib = ffi.dlopen(str(path))
+    try:
+        built = lib.se_abi_version()
+    except AttributeError:  # built before the ABI had a version
+        built = None
+    if built != ABI_VERSION:
+        raise ImportError(
+            f"streamer's native engine at {path} has ABI version {built}, but this streamer expects "
+            f"{ABI_VERSION}: it is a stale build; reinstall the package (or rebuild STREAMER_NATIVE_LIB)"
+        )
+    return lib
 
 
 class EngineFailure(Exception):

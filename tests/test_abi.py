@@ -1,0 +1,114 @@
+"""The binding and the C library agree: declarations come from the header, stale builds are refused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from streamer.engine import native
+
+HEADER = native._header_path()
+STRUCTS = {
+    "se_unit": ["file", "begin", "end"],
+    "se_block": [
+        "file", "first_unit", "last_unit", "acc_begin", "acc_end", "read_offset", "read_length", "dst"
+    ],
+    "se_error_info": ["code", "sys_errno", "file", "offset", "expected", "got"],
+    "se_stats": ["bytes_read", "blocks_done", "read_seconds", "idle_seconds"],
+}
+
+
+def _compiler() -> str:
+    found = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    assert found is not None, "a C compiler is needed (the package itself is built with one)"
+    return found
+
+
+def _shared_library(tmp_path: Path, source: str) -> Path:
+    c_file = tmp_path / "stale.c"
+    c_file.write_text(textwrap.dedent(source))
+    library = tmp_path / "libstale.so"
+    subprocess.run([_compiler(), "-shared", "-fPIC", "-o", str(library), str(c_file)], check=True)
+    return library
+
+
+def _load_with(library: Path) -> subprocess.CompletedProcess[str]:
+    code = "import streamer.engine.native as n; n._lib()"
+    env = {**os.environ, "STREAMER_NATIVE_LIB": str(library)}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=120
+    )
+
+
+def test_every_declared_function_is_in_the_library() -> None:
+    library = native._lib()
+    declared = sorted(name for name in dir(library) if name.startswith("se_"))
+    assert "se_abi_version" in declared and "se_engine_create" in declared
+    for name in declared:
+        assert callable(getattr(library, name)), name
+    assert library.se_abi_version() == native.ABI_VERSION
+
+
+def test_constants_are_the_headers() -> None:
+    text = HEADER.read_text()
+    for name, value in [("SE_ERR_EXTERNAL", native.ERR_EXTERNAL), ("SE_OK", native.OK)]:
+        assert f"#define {name} " in text
+        assert native._CONSTANTS[name] == value
+    assert native.ERR_CANCELLED == -5 and native.ERR_TRUNCATED == -4
+
+
+def test_struct_layout_matches_the_c_compiler(tmp_path: Path) -> None:
+    """cffi's view of every struct (from the parsed header) is the compiler's, field by field."""
+    lines = ["#include <stddef.h>", "#include <stdio.h>", f'#include "{HEADER}"', "int main(void) {"]
+    for struct, fields in STRUCTS.items():
+        lines.append(f'printf("{struct} size %zu\\n", sizeof({struct}));')
+        lines += [f'printf("{struct} {f} %zu\\n", offsetof({struct}, {f}));' for f in fields]
+    lines += ["return 0;", "}"]
+    program = tmp_path / "layout.c"
+    program.write_text("\n".join(lines))
+    binary = tmp_path / "layout"
+    subprocess.run([_compiler(), "-o", str(binary), str(program)], check=True)
+    printed = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split("\n")
+    expected = []
+    for struct, fields in STRUCTS.items():
+        expected.append(f"{struct} size {native.ffi.sizeof(struct)}")
+        expected += [f"{struct} {f} {native.ffi.offsetof(struct, f)}" for f in fields]
+    assert printed[: len(expected)] == expected
+
+
+def test_a_library_of_another_abi_version_is_refused(tmp_path: Path) -> None:
+    library = _shared_library(
+        tmp_path, f"int se_abi_version(void) {{ return {native.ABI_VERSION + 1}; }}\n"
+    )
+    result = _load_with(library)
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr and "stale build" in result.stderr
+    assert f"ABI version {native.ABI_VERSION + 1}" in result.stderr
+
+
+def test_a_library_from_before_abi_versions_is_refused(tmp_path: Path) -> None:
+    library = _shared_library(tmp_path, "int se_engine_create(void) { return 0; }\n")
+    result = _load_with(library)
+    assert result.returncode != 0
+    assert "ImportError" in result.stderr and "ABI version None" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "line", ["#define SE_X (-12)   /* note */", "#define SE_X -12", "#define SE_X ( -12 )"]
+)
+def test_header_constants_parse(line: str) -> None:
+    declarations, constants = native._parse_header(line + "\nint32_t se_f(void);\n")
+    assert constants == {"SE_X": -12}
+    assert declarations.strip() == "int32_t se_f(void);"
+
+
+@pytest.mark.parametrize("line", ["#define SE_X 0x10", "#define SE_X (1 << 3)", "#define SE_X"])
+def test_a_header_constant_the_binding_cannot_read_is_an_error(line: str) -> None:
+    with pytest.raises(ImportError, match="cannot read the constant"):
+        native._parse_header(line + "\n")
