@@ -13,7 +13,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamer.engine.native import Block, Unit
+from streamer.engine.blocks import Block, Unit
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,13 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import cffi
+
+# Re-exported: the runs build their work items as native.Block / native.Unit.
+from streamer.engine.blocks import Block as Block
+from streamer.engine.blocks import Unit as Unit
 
 _HEADER_NAME = "streamer_engine.h"
 _LIBRARY_NAME = "libstreamer_engine.so"
@@ -112,25 +116,6 @@ class ErrorInfo:
     offset: int
     expected: int
     got: int
-
-
-class Block(NamedTuple):
-    """One read: see ``se_block`` in native/include/streamer_engine.h."""
-
-    file: int
-    first_unit: int
-    last_unit: int
-    acc_begin: int
-    acc_end: int
-    read_offset: int
-    read_length: int
-    dst: int  # address
-
-
-class Unit(NamedTuple):
-    file: int
-    begin: int
-    end: int
 
 
 def _fill_block(entry: Any, block: Block) -> None:
