@@ -53,7 +53,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_table_is_printed(run: dict[str, Any]) -> None:
     stdout = run["proc"].stdout
     assert "== cold cache" in stdout and "== warm cache" in stdout
-    for column in ("loader", "setting", "median s", "min-max s", "GB/s", "vs streamer", "peak RSS"):
+    columns = ("loader", "setting", "median s", "min-max s", "GB/s", "vs streamer", "peak RSS")
+    for column in (*columns, "faults/GiB", "CPU s"):
         assert column in stdout
     for loader in ("streamer", "safetensors", "runai"):
         assert any(line.startswith(loader) for line in stdout.splitlines())
@@ -80,6 +81,11 @@ def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
             assert result["bytes"] == doc["checkpoint"]["tensor_bytes"]
             assert result["peak_rss_bytes"] > 0 and result["gbps"] > 0
         assert by_loader["streamer"]["ratio_vs_streamer"] == pytest.approx(1.0)
+        for run in (r for result in section["results"] for r in result["runs"]):
+            assert run["minor_faults"] > 0 and run["cpu_seconds"] > 0  # loading fresh memory faults
+        compared = {c["loader"]: c for c in section["comparisons"]}
+        assert set(compared) == {"safetensors", "runai"}
+        assert all(c["verdict"] == "too few rounds" and c["rounds"] == 1 for c in compared.values())
         assert by_loader["streamer"]["runs"][0]["metrics"]["bytes"] == doc["checkpoint"]["tensor_bytes"]
         assert {c["name"] for c in section["ceilings"]} >= {"read_buffered"}
     assert {c["name"] for c in doc["memory_ceilings"]} >= {"memcpy", "first_touch", "first_touch_hugepage"}

@@ -248,11 +248,13 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
     prepared = PREPARERS[request["loader"]](request)
     resident = _reach(request["cache"], request["files"]) if request.get("cache") else None
     rss_before = _peak_rss()
+    usage_before = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process
     start = time.perf_counter()
     loaded = prepared()
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     nbytes, count = _tensor_bytes(loaded.tensors)
     result = {
         "seconds": seconds,
@@ -260,6 +262,8 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
         "tensors": count,
         "peak_rss_bytes": _peak_rss(),
         "rss_before_bytes": rss_before,
+        "minor_faults": usage.ru_minflt - usage_before.ru_minflt,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime,
         "resident_at_start_bytes": resident,
         "metrics": loaded.metrics,
         "notes": loaded.notes,

@@ -12,11 +12,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from streamer.bench import stats
 from streamer.bench.ceilings import Ceiling
 from streamer.bench.runner import Config, Run
 from streamer.bench.units import format_bytes, gbps
 
 SCHEMA_ID = "streamer-bench/1"
+GIB = 1 << 30
 SCHEMA_PATH = Path(__file__).with_name("schema.json")  # JSON Schema of the --json document
 
 
@@ -33,6 +35,9 @@ def summarize(config: Config) -> dict[str, Any]:
     else:
         status = "failed"
     rss = [r.peak_rss_bytes for r in valid if r.peak_rss_bytes is not None]
+    faults = [r.minor_faults for r in valid if r.minor_faults is not None]
+    cpu = [r.cpu_seconds for r in valid if r.cpu_seconds is not None]
+    median_faults = statistics.median(faults) if faults else None
     return {
         "loader": config.setting.loader,
         "setting": config.setting.label,
@@ -47,6 +52,9 @@ def summarize(config: Config) -> dict[str, Any]:
         "gbps": gbps(nbytes, median) if median and nbytes else None,
         "ratio_vs_streamer": None,
         "peak_rss_bytes": int(statistics.median(rss)) if rss else None,
+        "minor_faults": median_faults,
+        "faults_per_gib": median_faults / (nbytes / GIB) if median_faults is not None and nbytes else None,
+        "cpu_s": statistics.median(cpu) if cpu else None,
         "runs": [_run_json(r) for r in config.runs],
     }
 
@@ -61,8 +69,8 @@ def _reference(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     return (default or sorted(ours, key=lambda r: r["median_s"]))[0] if ours else None
 
 
-def best_per_loader(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each loader at its setting with the lowest median."""
+def _best_results(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each loader's result at its setting with the lowest median, in first-seen loader order."""
     best: dict[str, dict[str, Any]] = {}
     for r in results:
         if r["median_s"] is None:
@@ -70,45 +78,65 @@ def best_per_loader(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         current = best.get(r["loader"])
         if current is None or r["median_s"] < current["median_s"]:
             best[r["loader"]] = r
-    return [
-        {
-            k: r[k]
-            for k in (
-                "loader",
-                "setting",
-                "bytes",
-                "median_s",
-                "min_s",
-                "max_s",
-                "gbps",
-                "ratio_vs_streamer",
-                "peak_rss_bytes",
-            )
-        }
-        for r in best.values()
-    ]
+    return list(best.values())
+
+
+_SUMMARY_KEYS = (
+    "loader",
+    "setting",
+    "bytes",
+    "median_s",
+    "min_s",
+    "max_s",
+    "gbps",
+    "ratio_vs_streamer",
+    "peak_rss_bytes",
+    "faults_per_gib",
+    "cpu_s",
+)
+
+
+def _seconds_by_round(result: dict[str, Any]) -> dict[int, float]:
+    return {run["repeat"]: run["seconds"] for run in result["runs"] if run["valid"] and run["seconds"]}
+
+
+def comparisons(reference: dict[str, Any], best: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamer's reference setting against each peer at its best setting, paired by round."""
+    ours = _seconds_by_round(reference)
+    out = []
+    for peer in best:
+        if peer["loader"] == "streamer":
+            continue
+        paired = stats.compare(ours, _seconds_by_round(peer))
+        out.append({"loader": peer["loader"], "setting": peer["setting"], **asdict(paired)})
+    return out
 
 
 def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) -> dict[str, Any]:
-    """A cache-state section: every setting's result, each loader's best, the read ceilings."""
+    """A cache-state section: every setting's result, each loader's best, the paired verdicts
+    against each peer at its best, the read ceilings."""
     results = [summarize(c) for c in configs]
     reference = _reference(results)
     if reference is not None:
         for r in results:
             if r["gbps"]:
                 r["ratio_vs_streamer"] = r["gbps"] / reference["gbps"]
+    best = _best_results(results)
     return {
         "cache": state,
         "reference": {"loader": "streamer", "setting": reference["setting"]} if reference else None,
         "results": results,
-        "best": best_per_loader(results),
+        "best": [{k: r[k] for k in _SUMMARY_KEYS} for r in best],
+        "comparisons": comparisons(reference, best) if reference is not None else [],
         "ceilings": [asdict(c) for c in ceilings],
     }
 
 
 # --- the table ---
 
-_HEADER = ("loader", "setting", "median s", "min-max s", "GB/s", "vs streamer", "peak RSS")
+_HEADER = (
+    "loader", "setting", "median s", "min-max s", "GB/s", "vs streamer", "peak RSS", "faults/GiB", "CPU s"
+)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -118,16 +146,19 @@ def _fmt(value: float | None, spec: str) -> str:
 def _row(r: dict[str, Any]) -> tuple[str, ...]:
     if r.get("status", "ok") != "ok":
         first_error = next((run["error"] for run in r.get("runs", []) if run["error"]), "")
-        return (r["loader"], r["setting"], r["status"].upper(), str(first_error)[:60], "", "", "")
+        return (r["loader"], r["setting"], r["status"].upper(), str(first_error)[:60], "", "", "", "", "")
     span = f"{r['min_s']:.3f}-{r['max_s']:.3f}"
     ratio = _fmt(r["ratio_vs_streamer"], ".2f") + ("x" if r["ratio_vs_streamer"] is not None else "")
     rss = format_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] is not None else "—"
-    return (r["loader"], r["setting"], f"{r['median_s']:.3f}", span, _fmt(r["gbps"], ".2f"), ratio, rss)
+    faults = _fmt(r["faults_per_gib"], ",.0f")
+    cpu = _fmt(r["cpu_s"], ".2f")
+    gbps_text = _fmt(r["gbps"], ".2f")
+    return (r["loader"], r["setting"], f"{r['median_s']:.3f}", span, gbps_text, ratio, rss, faults, cpu)
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[i]) for row in (_HEADER, *rows)) for i in range(len(_HEADER))]
-    numeric = {2, 3, 4, 5, 6}
+    numeric = {2, 3, 4, 5, 6, 7, 8}
 
     def line(row: tuple[str, ...]) -> str:
         cells = [
@@ -137,6 +168,15 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
         return "  ".join(cells).rstrip()
 
     return [line(_HEADER), line(tuple("-" * w for w in widths)), *(line(r) for r in rows)]
+
+
+def _comparison_line(c: dict[str, Any]) -> str:
+    peer = f"{c['loader']} {c['setting']}"
+    if c["ratio"] is None:
+        return f"  {peer}: no round where both ran"
+    interval = f" [{c['low']:.2f}, {c['high']:.2f}]" if c["low"] is not None else ""
+    rounds = f"{c['rounds']} round{'s' if c['rounds'] != 1 else ''}"
+    return f"  {peer}: {c['ratio']:.2f}x{interval} over {rounds}: {c['verdict'].upper()}"
 
 
 def _ceiling_line(c: dict[str, Any]) -> str:
@@ -176,6 +216,14 @@ def render(document: dict[str, Any]) -> str:
                 "",
                 f"-- {sec['cache']}: each loader at its best setting (lowest median)",
                 *_table([_row(r) for r in sec["best"]]),
+            ]
+        if sec.get("comparisons"):
+            ref = sec["reference"]["setting"]
+            out += [
+                "",
+                f"-- {sec['cache']}: streamer {ref} vs each peer at its best, paired by round "
+                "(peer time ÷ streamer time: above 1, streamer is faster; 95% bootstrap interval)",
+                *(_comparison_line(c) for c in sec["comparisons"]),
             ]
         if sec["ceilings"]:
             what = (

@@ -69,6 +69,8 @@ class Run:
     metrics: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     error: str | None = None
+    minor_faults: int | None = None  # page faults inside the clock: first touch of fresh memory
+    cpu_seconds: float | None = None  # user + system CPU inside the clock, every thread
 
 
 @dataclass
@@ -174,6 +176,8 @@ def run_section(
                     result["resident_at_start_bytes"],
                     result["metrics"],
                     result["notes"],
+                    minor_faults=result["minor_faults"],
+                    cpu_seconds=result["cpu_seconds"],
                 )
                 _check_start(run, state, config)
             config.runs.append(run)
@@ -181,7 +185,7 @@ def run_section(
                 rate = gbps(run.bytes, run.seconds)
                 progress(
                     f"[{state} {n}/{total}] {label}: {run.seconds:.3f} s, {rate:.2f} GB/s, "
-                    f"{format_bytes(run.bytes)}"
+                    f"{format_bytes(run.bytes)}, {run.minor_faults} faults, {run.cpu_seconds:.2f} CPU s"
                 )
             else:
                 progress(f"[{state} {n}/{total}] {label}: FAILED {run.error}")
