@@ -83,6 +83,8 @@ def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
         assert by_loader["streamer"]["ratio_vs_streamer"] == pytest.approx(1.0)
         for run in (r for result in section["results"] for r in result["runs"]):
             assert run["minor_faults"] > 0 and run["cpu_seconds"] > 0  # loading fresh memory faults
+            assert run["seconds"] == run["load_seconds"]  # the default clock
+            assert run["process_seconds"] > run["load_seconds"]  # interpreter and imports on top
         compared = {c["loader"]: c for c in section["comparisons"]}
         assert set(compared) == {"safetensors", "runai"}
         assert all(c["verdict"] == "too few rounds" and c["rounds"] == 1 for c in compared.values())

@@ -223,3 +223,36 @@ def test_cache_states_do_not_apply_to_s3() -> None:
     proc = bench("--source", f"s3://{BUCKET}/model/", "--cold", timeout=120)
     assert proc.returncode == 2
     assert "--cold does not apply to an S3 source" in proc.stderr and "remote" in proc.stderr
+
+
+def test_a_synthetic_checkpoint_is_uploaded_and_benchmarked_from_s3(
+    s3_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--synthetic --upload`` (what benchmarks/s3_load.py runs per endpoint): generated, put under
+    the prefix through the environment's endpoint, resolved and read back from there."""
+    out = tmp_path_factory.mktemp("upload")
+    args = ["--synthetic", "2MiB", "--upload", f"s3://{BUCKET}/uploaded/", "--loaders", "streamer"]
+    first = bench_report(out, *args, "--repeat", "1", "--no-ceilings", env=aws_variables(s3_server))
+    doc = first["json"]
+    files = {f["path"]: f["bytes"] for f in doc["checkpoint"]["files"]}
+    assert files and all(path.startswith(f"s3://{BUCKET}/uploaded/") for path in files)
+    (section,) = doc["sections"]
+    assert section["cache"] == "remote" and section["results"][0]["status"] == "ok"
+    listed = s3_client(s3_server, ACCESS_KEY, SECRET_KEY).list_objects_v2(Bucket=BUCKET, Prefix="uploaded/")
+    names = {item["Key"] for item in listed["Contents"]}
+    assert names == {f"uploaded/{path.rsplit('/', 1)[1]}" for path in files} | {
+        "uploaded/model.safetensors.index.json"
+    }
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--synthetic", "1MiB", "--upload", "/tmp/x"],
+        ["--source", "/tmp", "--upload", "s3://bench/x/"],
+        ["--synthetic", "1MiB", "--upload", "s3://bench/x/", "--cold"],
+    ],
+)
+def test_upload_arguments_are_checked(args: list[str]) -> None:
+    proc = bench(*args, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--shards", type=positive_int, help="files of the synthetic checkpoint (default 2)")
     p.add_argument(
+        "--upload",
+        metavar="s3://BUCKET/PREFIX/",
+        help="with --synthetic: put the generated checkpoint under this S3 prefix (the endpoint and "
+        "credentials of the standard AWS variables; objects already there with the right size are "
+        "kept) and benchmark it from there",
+    )
+    p.add_argument(
         "--keep",
         metavar="DIR",
         type=Path,
@@ -198,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="open (default): iterate streamer.open() into a dict, as load() does, and record its "
         "metrics; load: time streamer.load() itself (no metrics)",
     )
+    p.add_argument(
+        "--clock",
+        choices=("load", "process"),
+        default="load",
+        help="what a run's seconds are: load (default), from calling the loader until every tensor "
+        "is in owned memory; process, from the child process's start, interpreter, torch and the "
+        "loader's imports included (a server's cold start; fixed costs weigh more). Both are recorded",
+    )
     p.add_argument("--json", metavar="FILE", type=Path, help="write every run and fact (schema.json) to FILE")
     p.add_argument(
         "--plot", metavar="FILE.png", type=Path, help="bar chart with whiskers and ceilings (matplotlib)"
@@ -223,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    remote = args.source is not None and is_remote(args.source)
-    if remote and not args.source.startswith("s3://"):
+    if args.upload is not None and (args.source is not None or not args.upload.startswith("s3://")):
+        parser.error("--upload takes an s3://bucket/prefix/ URI and goes with --synthetic, not --source")
+    remote = (args.source is not None and is_remote(args.source)) or args.upload is not None
+    if args.source is not None and remote and not args.source.startswith("s3://"):
         parser.error(f"--source {args.source}: the only remote sources are s3://bucket/key URIs")
     if remote and (args.cold or args.warm):
         parser.error(
@@ -301,7 +318,17 @@ def obtain_checkpoint(
         "shape": made.shape.__dict__,
         "generator_version": synthetic.GENERATOR_VERSION,
     }
-    return resolve(str(made.index)), info
+    if args.upload is None:
+        return resolve(str(made.index)), info
+    from streamer.bench import s3peers
+    from streamer.config import S3Config
+
+    progress(f"uploading the checkpoint to {args.upload} (objects of the right size are kept)")
+    try:
+        uris = s3peers.upload(s3peers.client(S3Config(), 10), [*made.files, made.index], args.upload)
+    except Exception as exc:  # the endpoint, the credentials or the bucket: say which, briefly
+        raise SourceUnreachable(f"uploading to {args.upload} failed: {type(exc).__name__}: {exc}") from None
+    return resolve(uris[-1]), info
 
 
 def probe(remote: bool) -> dict[str, Any]:
@@ -427,6 +454,7 @@ def run_sections(
             streamer_api=args.streamer_api,
             timeout=args.timeout,
             progress=progress,
+            clock=args.clock,
         )
         if args.ceilings and state == "remote":
             found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])
@@ -483,6 +511,7 @@ def document(
             "device": args.device,
             "repeat": args.repeat,
             "ceiling_repeat": args.ceiling_repeat,
+            "clock": args.clock,
             "cold": args.cold,
             "warm": args.warm,
             "sweep": dict([args.sweep]) if args.sweep else {},

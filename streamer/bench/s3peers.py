@@ -1,10 +1,11 @@
-"""Plain boto3 reads of S3 checkpoints, the references streamer is measured against (shared by
-``streamer-bench`` and ``benchmarks/s3_load.py``):
+"""Plain boto3 reads of S3 checkpoints, the references streamer is measured against, and the
+upload of a generated checkpoint (all for ``streamer-bench``):
 
 - ``ranged_get``: every byte of every object by ranged GETs on N connections into fresh
   anonymous memory, the ceiling of the endpoint at that concurrency;
 - ``download``: boto3's managed download of each object to a local file, what people do before
-  ``safetensors.torch.load_file``.
+  ``safetensors.torch.load_file``;
+- ``upload``: local files to a prefix (``--synthetic … --upload s3://bucket/prefix/``).
 
 Clients are built from streamer's ``S3Config`` (itself defaulting to the standard AWS variables),
 so every reader goes to the same endpoint, region and addressing style.
@@ -109,3 +110,26 @@ def download(s3: Any, uris: Sequence[str], directory: Path) -> list[Path]:
         s3.download_file(where.bucket, where.key, str(path))
         paths.append(path)
     return paths
+
+
+def upload(s3: Any, files: Sequence[Path], prefix: str) -> list[str]:
+    """Puts ``files`` under the ``s3://bucket/prefix/`` URI (making the bucket if it is missing);
+    an object already there with the same size is kept. Returns the objects' URIs, in order."""
+    from boto3.s3.transfer import TransferConfig
+
+    where = parse_uri(prefix if prefix.endswith("/") else prefix + "/")
+    try:
+        s3.head_bucket(Bucket=where.bucket)
+    except Exception:  # missing (or not ours to look at): creating it says which
+        s3.create_bucket(Bucket=where.bucket)
+    uris = []
+    for path in files:
+        key = where.key + path.name
+        uris.append(f"s3://{where.bucket}/{key}")
+        try:
+            if s3.head_object(Bucket=where.bucket, Key=key)["ContentLength"] == path.stat().st_size:
+                continue
+        except Exception:  # not there yet
+            pass
+        s3.upload_file(str(path), where.bucket, key, Config=TransferConfig(multipart_chunksize=64 * MiB))
+    return uris
