@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from streamer.errors import HeaderError, SourceError, TruncatedFileError
 from streamer.format.dtypes import DTYPES, NO_TORCH_DTYPE, DType
 
@@ -342,6 +344,11 @@ def _torch_shape(
     """The shape of the torch tensor; what torch cannot represent is refused here, not by torch."""
     if any(dim > _TORCH_MAX_DIM for dim in shape):
         raise fail(f"shape {_show_shape(shape)} has a dimension torch cannot represent (over 2**63 - 1)")
+    if _exceeds(shape, _TORCH_MAX_DIM):  # so zero elements, but dimensions that strides overflow
+        try:  # whether torch's strides overflow: ask torch, the same way the loader builds it
+            torch.empty(0, dtype=dtype.torch_dtype).reshape(shape)
+        except RuntimeError as e:
+            raise fail(f"shape {_show_shape(shape)} is beyond what torch can represent ({e})") from None
     if dtype.per_item == 1:
         return shape
     if not shape or shape[-1] % dtype.per_item:
@@ -350,6 +357,16 @@ def _torch_shape(
             f"values per element, so the last dimension must be divisible by {dtype.per_item}"
         )
     return (*shape[:-1], shape[-1] // dtype.per_item)
+
+
+def _exceeds(shape: tuple[int, ...], limit: int) -> bool:
+    """Whether the product of the nonzero dimensions exceeds ``limit`` (stops as soon as it does)."""
+    product = 1
+    for dim in shape:
+        product *= max(dim, 1)
+        if product > limit:
+            return True
+    return False
 
 
 def _check_coverage(entries: list[TensorEntry], *, path: str, data_start: int, file_size: int) -> None:
