@@ -414,6 +414,9 @@ MALFORMED = [
     ),
     case("dim 2**63", with_x(entry("U8", [0, 2**63], 8, 8), 8), "dimension torch cannot represent", "x"),
     case(
+        "strides overflow", with_x(entry("F16", [0, 2**62, 2**63 - 1], 8, 8), 8), "beyond what torch can", "x"
+    ),
+    case(
         "overflow before 0",
         with_x(entry("U8", [2**62, 4, 0], 8, 8), 8),
         "overflows a 64-bit element count",
