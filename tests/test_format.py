@@ -244,6 +244,15 @@ def test_padding_extra_fields_and_empty_names_are_legal(tmp_path: Path, padding:
     check_against_safetensors(path, header)
 
 
+def test_numbers_in_unknown_fields_as_serde_reads_them(tmp_path: Path) -> None:
+    # Beyond u64 an integer is a float to serde_json, fine where nothing needs an integer; so is a
+    # float with 500 digits. Only a number that overflows a float is an error.
+    extra = b'{"big": ' + b"9" * 300 + b', "tiny": 0.' + b"0" * 500 + b'1, "neg": -0}'
+    header_bytes = b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1], "x": ' + extra + b"}}"
+    path = write(tmp_path, raw(header_bytes, b"z"))
+    check_against_safetensors(path, read_header(path))
+
+
 def test_serde_spellings_safetensors_accepts(tmp_path: Path) -> None:
     # serde reads a struct from an array of its fields and an enum from {"VARIANT": null}.
     header_bytes = (
