@@ -10,6 +10,7 @@ case is one of ``DOCUMENTED_DIFFERENCES``; never a raw exception, crash or hang.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -451,9 +452,9 @@ def generate(directory: Path) -> list[Case]:
 class Worker:
     """One worker process and the case it is on."""
 
-    def __init__(self, log: IO[bytes]) -> None:
+    def __init__(self, command: list[str], log: IO[bytes]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, str(WORKER)],
+            command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -462,10 +463,10 @@ class Worker:
         self.case: Case | None = None
         self.deadline = 0.0
 
-    def start(self, case: Case) -> None:
+    def start(self, case: Case, timeout: float) -> None:
         assert self.process.stdin is not None
         self.case = case
-        self.deadline = time.monotonic() + CASE_TIMEOUT_S
+        self.deadline = time.monotonic() + timeout
         self.process.stdin.write(f"{case.path}\n".encode())
         self.process.stdin.flush()
 
@@ -478,16 +479,22 @@ class Worker:
                 pipe.close()
 
 
-def run_all(cases: list[Case], log: IO[bytes]) -> dict[int, dict[str, Any]]:
+def run_all(
+    cases: list[Case],
+    log: IO[bytes],
+    *,
+    command: tuple[str, ...] = (sys.executable, str(WORKER)),
+    timeout: float = CASE_TIMEOUT_S,
+) -> dict[int, dict[str, Any]]:
     """Each case's facts from a worker; a worker that dies or hangs is replaced, its case reported."""
     pending = list(reversed(cases))
-    workers = [Worker(log) for _ in range(min(2, os.cpu_count() or 1))]
+    workers = [Worker(list(command), log) for _ in range(min(2, os.cpu_count() or 1))]
     facts: dict[int, dict[str, Any]] = {}
     try:
         while pending or any(w.case for w in workers):
             for w in workers:
                 if w.case is None and pending:
-                    w.start(pending.pop())
+                    w.start(pending.pop(), timeout)
             busy = {w.process.stdout: w for w in workers if w.case is not None}
             wait = max(0.0, min(w.deadline for w in busy.values()) - time.monotonic())
             ready, _, _ = select.select(list(busy), [], [], wait)
@@ -504,12 +511,15 @@ def run_all(cases: list[Case], log: IO[bytes]) -> dict[int, dict[str, Any]]:
                     facts[w.case.number] = json.loads(answer)
                     w.case = None
                     continue
-                hung = w.process.poll() is None
+                closed = w.process.stdout in ready  # its output ended: it died (or is dying)
+                if closed:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        w.process.wait(timeout=timeout)
                 w.stop()
                 facts[w.case.number] = {
-                    "failure": "hang" if hung else f"worker died ({w.process.returncode})"
+                    "failure": f"worker died ({w.process.returncode})" if closed else "hang"
                 }
-                workers[i] = Worker(log)
+                workers[i] = Worker(list(command), log)
     finally:
         for w in workers:
             w.stop()
@@ -592,3 +602,19 @@ def test_zero_size_tensor_with_huge_dims_loads_like_safetensors(tmp_path: Path) 
         got = dict(s)["e"]
         assert s.get_tensor("e").shape == expected.shape
     assert (got.dtype, got.shape) == (expected.dtype, expected.shape)
+
+
+def test_a_worker_that_dies_or_hangs_fails_its_case_and_is_replaced(tmp_path: Path) -> None:
+    """The harness itself: a crash or a hang is a named failure, and the next case still runs."""
+    cases = [Case(i, "harness", b"", tmp_path / f"{i}.safetensors") for i in range(3)]
+    # Answers its first case, then dies on the second (exit 3) or hangs on it.
+    answer = json.dumps({"difference": None})
+    script = f"import sys\nsys.stdin.readline(); print({answer!r}, flush=True)\nsys.stdin.readline()\n"
+    with open(tmp_path / "workers.log", "wb") as log:
+        died = run_all(cases, log, command=(sys.executable, "-c", script + "sys.exit(3)"))
+        hung = run_all(cases, log, command=(sys.executable, "-c", script + "sys.stdin.read()"), timeout=1.0)
+    for facts in (died, hung):
+        assert sorted(facts) == [0, 1, 2]
+        assert sum("failure" not in f for f in facts.values()) >= 1  # some cases were answered
+    assert {verdict(c, died[c.number]) for c in cases} >= {"FAIL: worker died (3)"}
+    assert {verdict(c, hung[c.number]) for c in cases} >= {"FAIL: hang"}
