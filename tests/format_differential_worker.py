@@ -14,6 +14,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from safetensors import safe_open
 
 import streamer
 from streamer.config import StreamerConfig
@@ -64,9 +65,17 @@ def examine(path: str) -> dict[str, Any]:
         facts["ours_class"] = type(e).__name__
         facts["raw_exception"] = True
     if theirs is not None and ours is not None:
-        facts["difference"] = compare(theirs, ours)
+        facts["difference"] = compare(theirs, ours) or compare_metadata(path)
         facts["tensors"] = len(theirs)
     return facts
+
+
+def compare_metadata(path: str) -> str | None:
+    with safe_open(path, framework="pt") as f:
+        theirs = f.metadata() or {}
+    with streamer.open(path, config=CONFIG) as s:
+        ours = s.metadata()
+    return None if ours == theirs else f"metadata differs: streamer {ours}, safetensors {theirs}"
 
 
 def main() -> None:
