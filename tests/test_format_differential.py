@@ -33,7 +33,7 @@ import streamer
 from streamer.format.safetensors import MAX_HEADER_BYTES
 
 SEED = 20261123
-CASES = 3200  # distinct files, the valid bases and the issue's own cases included
+CASES = 4000  # distinct files, the valid bases and the issue's own cases included
 CASE_TIMEOUT_S = 120.0  # a hang guard only: a case normally takes milliseconds
 WORKER = Path(__file__).with_name("format_differential_worker.py")
 
@@ -396,7 +396,23 @@ def mutate_several(rng: random.Random, b: Base) -> tuple[str, bytes]:
     return "combined", content
 
 
-MUTATORS = [mutate_json] * 5 + [mutate_bytes] * 3 + [mutate_prefix, mutate_length, mutate_several]
+def relayout(rng: random.Random, b: Base) -> tuple[str, bytes]:
+    """A different valid file from the same tensors: data order shuffled, dtypes and shapes
+    redrawn (F4 with an even last dimension), zero-size tensors put at random boundaries."""
+    tensors = []
+    for name in tensor_names(b.doc):
+        dtype = rng.choice([*SAFETENSORS_DTYPES[:-2]])  # all but F6, which torch cannot hold
+        shape = [rng.choice([0, 1, 1, 2, 3, 5]) for _ in range(rng.randrange(4))]
+        if dtype == "F4":
+            shape = [*shape, 2 * rng.randint(0, 3)]
+        tensors.append((name, dtype, shape))
+    rng.shuffle(tensors)
+    metadata = b.doc.get("__metadata__") if rng.random() < 0.7 else {"k": rng.choice(["", "v", "ü"])}
+    moved = base(rng, tensors, metadata)
+    return "relayout", assemble(dump(moved.doc, rng) + b" " * rng.randrange(8), moved.data)
+
+
+MUTATORS = [mutate_json] * 5 + [mutate_bytes] * 3 + [mutate_prefix, mutate_length, mutate_several, relayout]
 
 
 def hand_written_cases() -> Iterator[tuple[str, bytes]]:
@@ -618,3 +634,15 @@ def test_a_worker_that_dies_or_hangs_fails_its_case_and_is_replaced(tmp_path: Pa
         assert sum("failure" not in f for f in facts.values()) >= 1  # some cases were answered
     assert {verdict(c, died[c.number]) for c in cases} >= {"FAIL: worker died (3)"}
     assert {verdict(c, hung[c.number]) for c in cases} >= {"FAIL: hang"}
+
+
+def test_a_truncated_file_is_caught_as_header_and_as_read_error(tmp_path: Path) -> None:
+    """The README promised ReadError, the code raised HeaderError: TruncatedFileError is both."""
+    header = b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'
+    path = tmp_path / "short.safetensors"
+    path.write_bytes(assemble(header, bytes(12)))
+    for caught in (streamer.ReadError, streamer.HeaderError, streamer.TruncatedFileError):
+        with pytest.raises(caught) as info:
+            streamer.load_file(path)
+        assert type(info.value) is streamer.TruncatedFileError
+        assert (info.value.path, info.value.tensor) == (str(path), "w")
