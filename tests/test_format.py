@@ -397,6 +397,12 @@ MALFORMED = [
     # dtype
     case("unknown dtype", with_x(entry("F128", [], 8, 8), 8), 'unsupported dtype "F128"', "x"),
     case("F6", with_x(entry("F6_E2M3", [4], 8, 11), 11), "dtype F6_E2M3 has no torch equivalent", "x"),
+    case(
+        "dtype map repeated",
+        raw(b'{"x": {"dtype": {"U8": null, "U8": null}, "shape": [0], "data_offsets": [0, 0]}}'),
+        "unsupported dtype",
+        "x",
+    ),
     case("dtype map with value", with_x(entry({"U8": 1}, [0], 8, 8), 8), "unsupported dtype", "x"),
     case("dtype map of two", with_x(entry({"U8": None, "I8": None}, [0], 8, 8), 8), "unsupported dtype", "x"),
     case("lowercase dtype", with_x(entry("f32", [], 8, 12), 12), "unsupported dtype", "x"),

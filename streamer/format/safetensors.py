@@ -285,7 +285,11 @@ def _entry(name: str, value: object, *, path: str, data_start: int) -> TensorEnt
         raise fail(f"entry is missing {', '.join(missing)}")
 
     dtype_name, shape_value, offsets = found["dtype"], found["shape"], found["data_offsets"]
-    if isinstance(dtype_name, _Object) and len(dtype_name) == 1 and None in dtype_name.values():
+    if (
+        isinstance(dtype_name, _Object)
+        and dtype_name.repeated is None
+        and list(dtype_name.values()) == [None]
+    ):
         (dtype_name,) = dtype_name  # serde also reads the enum value "U8" from {"U8": null}
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         if isinstance(dtype_name, str) and dtype_name in NO_TORCH_DTYPE:
