@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ _MISSING = object()
 _FIELDS = ("dtype", "shape", "data_offsets")
 _MAX_INT_CHARS = 400  # an integer this long overflows a float, which serde_json refuses
 _MAX_DEPTH = 127  # serde_json's recursion limit: 128 nested arrays/objects are an error
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the escapes a lone surrogate is written with
 _U64 = 2**64  # safetensors reads offsets and dims as u64 and multiplies them without overflow
 _TORCH_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
@@ -222,36 +224,43 @@ def _load_json(header: bytes, *, path: str) -> _Object:
         raise HeaderError(f"header is not valid JSON: {e}", path=path) from None
     if not isinstance(value, _Object):
         raise HeaderError(f"header must be a JSON object, got {_show(value)}", path=path)
-    _check_nesting_and_strings(value, path=path)
+    if _SURROGATE_ESCAPE.search(text):
+        _check_strings(value, path=path)
     return value
 
 
-def _check_nesting_and_strings(top: _Object, *, path: str) -> None:
-    """serde_json's limits that Python's json lacks: at most 127 nested arrays/objects, and no
-    string (key or value) holding an unpaired surrogate escape such as ``"\\ud800"``."""
-    stack: list[tuple[object, int, str | None]] = [(top, 1, None)]
+def _check_strings(top: _Object, *, path: str) -> None:
+    """serde_json refuses an unpaired surrogate escape such as ``"\\ud800"`` in any string, key
+    or value; Python's json reads it into a str that cannot be encoded."""
+    stack: list[tuple[object, str | None]] = [(top, None)]
     while stack:
-        value, depth, tensor = stack.pop()
+        value, tensor = stack.pop()
         if isinstance(value, str):
             if not _is_unicode(value):
                 raise HeaderError(
                     "header has a string with an unpaired surrogate escape", path=path, tensor=tensor
                 )
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > _MAX_DEPTH:
-            raise HeaderError(
-                f"header nests arrays/objects deeper than {_MAX_DEPTH} levels", path=path, tensor=tensor
-            )
-        items = value.items() if isinstance(value, dict) else ((None, item) for item in value)
-        for key, item in items:
-            where = _as_tensor(key) if depth == 1 and key is not None else tensor
-            if key is not None and not _is_unicode(key):
-                raise HeaderError(
-                    "header has a key with an unpaired surrogate escape", path=path, tensor=where
-                )
-            stack.append((item, depth + 1, where))
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else ((None, item) for item in value)
+            for key, item in items:
+                where = _as_tensor(key) if value is top and key is not None else tensor
+                if key is not None and not _is_unicode(key):
+                    raise HeaderError(
+                        "header has a key with an unpaired surrogate escape", path=path, tensor=where
+                    )
+                stack.append((item, where))
+
+
+def _nesting(value: object) -> int:
+    """How many arrays/objects deep ``value`` is (0 for a scalar)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _metadata(value: object, *, path: str) -> dict[str, str]:
@@ -277,6 +286,10 @@ def _entry(name: str, value: object, *, path: str, data_start: int) -> TensorEnt
     elif isinstance(value, _Object):
         if value.repeated is not None:
             raise fail(f"entry has the field {value.repeated!r} twice")
+        for key, extra in value.items():
+            # The header and the entry are 2 levels; the rest of serde_json's depth is the field's.
+            if key not in _FIELDS and _nesting(extra) > _MAX_DEPTH - 2:
+                raise fail(f"field {key!r} nests arrays/objects deeper than serde_json's {_MAX_DEPTH} levels")
         found = {key: value.get(key, _MISSING) for key in _FIELDS}
     else:
         raise fail(f"entry must be an object with dtype, shape and data_offsets, got {_show(value)}")
