@@ -549,7 +549,7 @@ def test_huge_digit_runs_fail_fast(tmp_path: Path) -> None:
     start = time.perf_counter()
     with pytest.raises(HeaderError, match="literal of 20000000 characters is out of range"):
         read_header(write(tmp_path, content))
-    assert time.perf_counter() - start < 10
+    assert time.perf_counter() - start < 60  # a hang guard: quadratic int() would take many minutes
 
 
 def test_parse_header_checks_its_own_length() -> None:
