@@ -11,6 +11,7 @@ from streamer.errors import (
     S3SourceError,
     SourceError,
     StreamerError,
+    TruncatedFileError,
 )
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "Streamer",
     "StreamerConfig",
     "StreamerError",
+    "TruncatedFileError",
     "__version__",
     "load",
     "load_file",

@@ -52,6 +52,11 @@ class ReadError(StreamerError):
         super().__init__(message, path=path, tensor=tensor)
 
 
+class TruncatedFileError(HeaderError, ReadError):
+    """The file is shorter than its header says: both a malformed file and a failed read, so code
+    that catches either one catches it."""
+
+
 class DeviceError(StreamerError):
     """The requested destination device is unknown or unavailable."""
 

@@ -110,7 +110,7 @@ def test_unaligned_tensors_are_copied_into_aligned_memory(standin: StandIn, tmp_
     g = torch.Generator().manual_seed(32)
     entries, tensors = [], {}
     for i, dtype in enumerate(["F64", "I32", "BF16", "C64", "U8", "F32"]):
-        entry, tensor = raw_entry(f"t{i}", dtype, (1000 + i,), gap=i % 3, generator=g)
+        entry, tensor = raw_entry(f"t{i}", dtype, (1000 + i,), generator=g)
         entries.append(entry)
         tensors[entry.name] = tensor
     path = tmp_path / "odd.safetensors"

@@ -155,5 +155,9 @@ def tensor_view(buffer: torch.Tensor, offset: int, entry: TensorEntry) -> torch.
 
 
 def empty_tensor(entry: TensorEntry, device: torch.device | None = None) -> torch.Tensor:
-    """A zero-size tensor needs no bytes and no buffer."""
-    return torch.empty(entry.shape, dtype=entry.dtype.torch_dtype, device=device)
+    """A zero-size tensor needs no bytes and no buffer.
+
+    Reshaped rather than built with that shape: ``torch.empty((0, 2**62, 4))`` overflows its
+    stride computation, while safetensors (which reshapes) loads such a tensor.
+    """
+    return torch.empty(0, dtype=entry.dtype.torch_dtype, device=device).reshape(entry.shape)

@@ -5,8 +5,14 @@ header), then the data section. The header maps each tensor name to
 ``{"dtype": ..., "shape": [...], "data_offsets": [begin, end]}`` with offsets relative to the data
 section, plus an optional ``"__metadata__": {str: str}``.
 
-Everything here is strict: a header that could make a reader touch bytes outside the file, or
-two tensors share bytes, is rejected with a ``HeaderError`` naming the file and the tensor.
+The rules are safetensors' own (0.8, ``safetensors.torch.load_file``): the tensors, in the order
+of their offsets, must cover the data section exactly (no gap, no overlap, nothing after the last
+one), the JSON is read as serde_json reads it (whitespace around it, numbers, nesting depth), and
+every dtype safetensors loads into torch is accepted. A rejected file is a ``HeaderError`` naming
+the file and, where there is one, the tensor; a file shorter than its header says is a
+``TruncatedFileError`` (both a ``HeaderError`` and a ``ReadError``). The one deliberate
+difference: a JSON key that appears twice (a tensor name, a metadata key, an entry's field) is
+rejected, where safetensors keeps the last one silently or ignores it.
 ``header_length`` and ``parse_header`` are pure (remote sources call them with fetched bytes);
 only ``read_header`` touches the file system.
 """
@@ -14,26 +20,38 @@ only ``read_header`` touches the file system.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamer.errors import HeaderError, SourceError
-from streamer.format.dtypes import DTYPES, DType
+import torch
+
+from streamer.errors import HeaderError, SourceError, TruncatedFileError
+from streamer.format.dtypes import DTYPES, NO_TORCH_DTYPE, DType
 
 MAX_HEADER_BYTES = 100_000_000  # the same cap safetensors applies
 PREFIX_BYTES = 8
 METADATA_KEY = "__metadata__"
 
 _MISSING = object()
-_MAX_INT_DIGITS = 100
+_FIELDS = ("dtype", "shape", "data_offsets")
+_MAX_INT_CHARS = 400  # an integer this long overflows a float, which serde_json refuses
+_MAX_DEPTH = 127  # serde_json's recursion limit: 128 nested arrays/objects are an error
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the escapes a lone surrogate is written with
+_U64 = 2**64  # safetensors reads offsets and dims as u64 and multiplies them without overflow
+_TORCH_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a file; ``begin``/``end`` are absolute byte offsets in the file (end exclusive)."""
+    """One tensor of a file; ``begin``/``end`` are absolute byte offsets in the file (end exclusive).
+
+    ``shape`` is the torch tensor's shape, which is the header's except for packed dtypes (``F4``).
+    """
 
     name: str
     dtype: DType
@@ -48,7 +66,8 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class FileHeader:
-    """A validated header: tensors sorted by ``begin`` (ties by name), none overlapping."""
+    """A validated header: tensors sorted by ``(begin, end)`` (ties by name), covering the data
+    section exactly."""
 
     path: str
     file_size: int
@@ -96,9 +115,9 @@ def parse_header(header: bytes, *, path: str, file_size: int) -> FileHeader:
         if name == METADATA_KEY:
             metadata = _metadata(value, path=path)
         else:
-            entries.append(_entry(name, value, path=path, data_start=data_start, file_size=file_size))
-    entries.sort(key=lambda t: (t.begin, t.name))
-    _check_no_overlap(entries, path=path, data_start=data_start)
+            entries.append(_entry(name, value, path=path, data_start=data_start))
+    entries.sort(key=lambda t: (t.begin, t.end, t.name))
+    _check_coverage(entries, path=path, data_start=data_start, file_size=file_size)
     return FileHeader(path, file_size, data_start, tuple(entries), metadata)
 
 
@@ -123,7 +142,7 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
     finally:
         os.close(fd)
     if len(header) != n:
-        raise HeaderError(
+        raise TruncatedFileError(
             f"file ended after {len(header)} of {n} header bytes (truncated while reading?)", path=name
         )
     return parse_header(header, path=name, file_size=info.st_size)
@@ -157,7 +176,7 @@ def _check_length(n: int, *, path: str, file_size: int) -> None:
     if n > MAX_HEADER_BYTES:
         raise HeaderError(f"header length {n} exceeds the limit of {MAX_HEADER_BYTES} bytes", path=path)
     if PREFIX_BYTES + n > file_size:
-        raise HeaderError(
+        raise TruncatedFileError(
             f"header length {n} runs past the end of the file ({file_size} bytes, "
             f"at most {file_size - PREFIX_BYTES} header bytes fit)",
             path=path,
@@ -168,12 +187,24 @@ def _reject_constant(token: str) -> Any:
     raise ValueError(f"{token} is not a JSON value")
 
 
-def _parse_int(literal: str) -> int:
-    # Every real offset or dimension fits in 20 digits, and int() is quadratic in the digit count:
-    # a 100 MB run of digits must be an error, not a minutes-long stall.
-    if len(literal) > _MAX_INT_DIGITS:
-        raise ValueError(f"integer literal of {len(literal)} characters is too large")
-    return int(literal)
+def _parse_int(literal: str) -> int | float:
+    """An integer as serde_json reads it: outside i64/u64 (and ``-0``) it becomes a float, so a
+    dimension or offset that large is refused like safetensors refuses it."""
+    # int() is quadratic in the digit count: a 100 MB run of digits must fail at once.
+    if len(literal) > _MAX_INT_CHARS:
+        raise ValueError(f"number literal of {len(literal)} characters is out of range")
+    value = int(literal)
+    if -(2**63) <= value < _U64 and literal != "-0":
+        return value
+    return _parse_float(literal)
+
+
+def _parse_float(literal: str) -> float:
+    """serde_json refuses a number that overflows a float; Python would read it as infinity."""
+    value = float(literal)  # linear in the length, unlike int()
+    if math.isinf(value):
+        raise ValueError(f"number {literal[:40]} is out of range")
+    return value
 
 
 def _load_json(header: bytes, *, path: str) -> _Object:
@@ -181,17 +212,55 @@ def _load_json(header: bytes, *, path: str) -> _Object:
         text = bytes(header).decode("utf-8")
     except UnicodeDecodeError as e:
         raise HeaderError(f"header is not valid UTF-8 ({e.reason} at byte {e.start})", path=path) from None
-    if not text.startswith("{"):  # the safetensors rule; also rules out a BOM or leading whitespace
-        raise HeaderError(f"header must start with '{{', starts with {text[:16]!r}", path=path)
     try:
         value = json.loads(
-            text, object_pairs_hook=_Object, parse_constant=_reject_constant, parse_int=_parse_int
+            text,
+            object_pairs_hook=_Object,
+            parse_constant=_reject_constant,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
         )
     except (ValueError, RecursionError) as e:  # ValueError includes JSONDecodeError
         raise HeaderError(f"header is not valid JSON: {e}", path=path) from None
-    if not isinstance(value, _Object):  # unreachable after the '{' check, kept for the type checker
+    if not isinstance(value, _Object):
         raise HeaderError(f"header must be a JSON object, got {_show(value)}", path=path)
+    if _SURROGATE_ESCAPE.search(text):
+        _check_strings(value, path=path)
     return value
+
+
+def _check_strings(top: _Object, *, path: str) -> None:
+    """serde_json refuses an unpaired surrogate escape such as ``"\\ud800"`` in any string, key
+    or value; Python's json reads it into a str that cannot be encoded."""
+    stack: list[tuple[object, str | None]] = [(top, None)]
+    while stack:
+        value, tensor = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                raise HeaderError(
+                    "header has a string with an unpaired surrogate escape", path=path, tensor=tensor
+                )
+        elif isinstance(value, (dict, list)):
+            items = value.items() if isinstance(value, dict) else ((None, item) for item in value)
+            for key, item in items:
+                where = _as_tensor(key) if value is top and key is not None else tensor
+                if key is not None and not _is_unicode(key):
+                    raise HeaderError(
+                        "header has a key with an unpaired surrogate escape", path=path, tensor=where
+                    )
+                stack.append((item, where))
+
+
+def _nesting(value: object) -> int:
+    """How many arrays/objects deep ``value`` is (0 for a scalar)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _metadata(value: object, *, path: str) -> dict[str, str]:
@@ -204,30 +273,40 @@ def _metadata(value: object, *, path: str) -> dict[str, str]:
     for key, item in value.items():
         if not isinstance(item, str):
             raise HeaderError(f"{METADATA_KEY}[{key!r}] must be a string, got {_show(item)}", path=path)
-        if not (_is_unicode(key) and _is_unicode(item)):
-            raise HeaderError(f"{METADATA_KEY}[{key!r}] contains an unpaired surrogate escape", path=path)
     return dict(value)
 
 
-def _entry(name: str, value: object, *, path: str, data_start: int, file_size: int) -> TensorEntry:
+def _entry(name: str, value: object, *, path: str, data_start: int) -> TensorEntry:
     def fail(message: str) -> HeaderError:
         return HeaderError(message, path=path, tensor=name)
 
-    if not name:
-        raise fail("tensor name is empty")
-    if not _is_unicode(name):
-        raise fail("tensor name contains an unpaired surrogate escape")
-    if not isinstance(value, _Object):
+    if isinstance(value, list) and len(value) == len(_FIELDS):
+        # serde reads a struct from an array of its fields in order, so safetensors accepts this.
+        found = dict(zip(_FIELDS, value, strict=True))
+    elif isinstance(value, _Object):
+        if value.repeated is not None:
+            raise fail(f"entry has the field {value.repeated!r} twice")
+        for key, extra in value.items():
+            # The header and the entry are 2 levels; the rest of serde_json's depth is the field's.
+            if key not in _FIELDS and _nesting(extra) > _MAX_DEPTH - 2:
+                raise fail(f"field {key!r} nests arrays/objects deeper than serde_json's {_MAX_DEPTH} levels")
+        found = {key: value.get(key, _MISSING) for key in _FIELDS}
+    else:
         raise fail(f"entry must be an object with dtype, shape and data_offsets, got {_show(value)}")
-    if value.repeated is not None:
-        raise fail(f"entry has the field {value.repeated!r} twice")
-    found = {key: value.get(key, _MISSING) for key in ("dtype", "shape", "data_offsets")}
     missing = [key for key, item in found.items() if item is _MISSING]
     if missing:
         raise fail(f"entry is missing {', '.join(missing)}")
 
     dtype_name, shape_value, offsets = found["dtype"], found["shape"], found["data_offsets"]
+    if (
+        isinstance(dtype_name, _Object)
+        and dtype_name.repeated is None
+        and list(dtype_name.values()) == [None]
+    ):
+        (dtype_name,) = dtype_name  # serde also reads the enum value "U8" from {"U8": null}
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+        if isinstance(dtype_name, str) and dtype_name in NO_TORCH_DTYPE:
+            raise fail(f"dtype {dtype_name} has no torch equivalent (safetensors cannot load it either)")
         raise fail(f"unsupported dtype {_show(dtype_name)} (supported: {', '.join(DTYPES)})")
     dtype = DTYPES[dtype_name]
 
@@ -238,58 +317,111 @@ def _entry(name: str, value: object, *, path: str, data_start: int, file_size: i
             raise fail(f"shape[{i}] must be an integer >= 0, got {_show(dim)}")
     shape = tuple(shape_value)
 
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) for x in offsets)):
-        raise fail(f"data_offsets must be [begin, end] integers, got {_show(offsets)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(x) and x >= 0 for x in offsets)):
+        raise fail(f"data_offsets must be [begin, end] integers >= 0, got {_show(offsets)}")
     begin, end = offsets
-    if not 0 <= begin <= end:
-        raise fail(f"data_offsets {_show(offsets)} must satisfy 0 <= begin <= end")
-    if end > file_size - data_start:
-        raise fail(
-            f"data_offsets {_show(offsets)} reach past the end of the file "
-            f"(data starts at byte {data_start}, file is {file_size} bytes)"
-        )
+    if begin > end:
+        raise fail(f"data_offsets {_show(offsets)} must satisfy begin <= end")
 
     span = end - begin
-    count = _element_count(shape, limit=span)
-    if count * dtype.itemsize != span:
-        needs = f"more than {span}" if count > span else str(count * dtype.itemsize)
+    nbits = _element_count(shape, fail=fail) * dtype.bits
+    if nbits >= _U64:
+        raise fail(f"shape {_show_shape(shape)} of {dtype.name} overflows a 64-bit byte count")
+    if nbits % 8:
+        raise fail(f"shape {_show_shape(shape)} of {dtype.name} does not end on a byte boundary")
+    if nbits // 8 != span:
         raise fail(
-            f"shape {_show_shape(shape)} of {dtype.name} needs {needs} bytes ({dtype.itemsize} per element), "
+            f"shape {_show_shape(shape)} of {dtype.name} needs {nbits // 8} bytes, "
             f"but data_offsets {_show(offsets)} span {span}"
         )
-    return TensorEntry(name, dtype, shape, data_start + begin, data_start + end)
+    return TensorEntry(
+        name, dtype, _torch_shape(shape, dtype, fail=fail), data_start + begin, data_start + end
+    )
 
 
-def _check_no_overlap(entries: list[TensorEntry], *, path: str, data_start: int) -> None:
-    """``entries`` are sorted by begin; a zero-size tensor holds no bytes, so it overlaps nothing."""
+def _element_count(shape: tuple[int, ...], *, fail: Callable[[str], HeaderError]) -> int:
+    """prod(shape) as safetensors computes it: left to right in u64, an overflow is an error even
+    if a later dimension is 0 (and so the product stays small however hostile the header)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+        if count >= _U64:
+            raise fail(f"shape {_show_shape(shape)} overflows a 64-bit element count")
+    return count
+
+
+def _torch_shape(
+    shape: tuple[int, ...], dtype: DType, *, fail: Callable[[str], HeaderError]
+) -> tuple[int, ...]:
+    """The shape of the torch tensor; what torch cannot represent is refused here, not by torch."""
+    if any(dim > _TORCH_MAX_DIM for dim in shape):
+        raise fail(f"shape {_show_shape(shape)} has a dimension torch cannot represent (over 2**63 - 1)")
+    if _exceeds(shape, _TORCH_MAX_DIM):  # so zero elements, but dimensions that strides overflow
+        try:  # whether torch's strides overflow: ask torch, the same way the loader builds it
+            torch.empty(0, dtype=dtype.torch_dtype).reshape(shape)
+        except RuntimeError as e:
+            raise fail(f"shape {_show_shape(shape)} is beyond what torch can represent ({e})") from None
+    if dtype.per_item == 1:
+        return shape
+    if not shape or shape[-1] % dtype.per_item:
+        raise fail(
+            f"shape {_show_shape(shape)} of {dtype.name}: torch's {dtype.torch_dtype} packs {dtype.per_item} "
+            f"values per element, so the last dimension must be divisible by {dtype.per_item}"
+        )
+    return (*shape[:-1], shape[-1] // dtype.per_item)
+
+
+def _exceeds(shape: tuple[int, ...], limit: int) -> bool:
+    """Whether the product of the nonzero dimensions exceeds ``limit`` (stops as soon as it does)."""
+    product = 1
+    for dim in shape:
+        product *= max(dim, 1)
+        if product > limit:
+            return True
+    return False
+
+
+def _check_coverage(entries: list[TensorEntry], *, path: str, data_start: int, file_size: int) -> None:
+    """``entries``, sorted by (begin, end), must tile the data section: each begins where the
+    previous one ended (a zero-size tensor too), and the last one ends where the file ends."""
 
     def offsets(t: TensorEntry) -> str:  # as written in the header, relative to the data section
         return f"data_offsets [{t.begin - data_start}, {t.end - data_start}]"
 
     previous: TensorEntry | None = None
     for entry in entries:
-        if entry.nbytes == 0:
-            continue
-        if previous is not None and entry.begin < previous.end:
+        expected = data_start if previous is None else previous.end
+        if entry.begin != expected:
+            after = (
+                "the start of the data section"
+                if previous is None
+                else f"{previous.name!r} ({offsets(previous)})"
+            )
+            how = (
+                "overlaps"
+                if entry.begin < expected
+                else f"leaves {entry.begin - expected} bytes unclaimed after"
+            )
             raise HeaderError(
-                f"tensors {previous.name!r} ({offsets(previous)}) and "
-                f"{entry.name!r} ({offsets(entry)}) overlap",
-                path=path,
-                tensor=entry.name,
+                f"tensor {entry.name!r} ({offsets(entry)}) {how} {after}", path=path, tensor=entry.name
             )
         previous = entry
-
-
-def _element_count(shape: tuple[int, ...], *, limit: int) -> int:
-    """prod(shape), capped at ``limit + 1``: a hostile header can make the true product enormous."""
-    if 0 in shape:
-        return 0
-    count = 1
-    for dim in shape:
-        count *= dim
-        if count > limit:
-            return limit + 1
-    return count
+    end = data_start if previous is None else previous.end
+    last = None if previous is None else previous.name
+    if end > file_size:
+        raise TruncatedFileError(
+            f"the tensors need {end - data_start} data bytes, but the file holds {file_size - data_start} "
+            f"(file is {file_size} bytes, data starts at byte {data_start})",
+            path=path,
+            tensor=last,
+        )
+    if end < file_size:
+        raise HeaderError(
+            f"{file_size - end} bytes after the last tensor belong to no tensor "
+            f"(data starts at byte {data_start}, the tensors end at byte {end}, file is {file_size} bytes)",
+            path=path,
+            tensor=last,
+        )
 
 
 def _is_int(value: object) -> bool:
