@@ -55,7 +55,7 @@ class LoadRun:
         budget = streaming_budget(config, [r.entry.nbytes for r in self._unit_refs])
         self._explicit_limit = config.explicit_memory_limit is not None
         # Segments of small tensors span at most a quarter of the limit: four buffers fit it.
-        segment_bytes = None if budget.limit is None else max(config.block_size, budget.limit // 4 - _SLACK)
+        segment_bytes = None if budget.limit is None else max(DIRECT_IO_ALIGNMENT, budget.limit // 4 - _SLACK)
         self._segments = plan_segments(
             self._units,
             block_size=config.block_size,
