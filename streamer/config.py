@@ -41,8 +41,6 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
-
-
 def _env_io_mode() -> IoMode:
     raw = os.environ.get("STREAMER_IO_MODE", "auto").strip().lower()
     for mode in IO_MODES:
