@@ -570,3 +570,21 @@ def test_closing_from_another_thread_stops_the_pass_with_a_streamer_error(tmp_pa
     assert len(outcome) == 1
     result = outcome[0]
     assert isinstance(result, int) or type(result) is StreamerError, result
+
+
+def test_a_consumer_that_drops_each_tensor_gets_one_tensor_at_a_time(tmp_path: Path) -> None:
+    """``for name, t in handle: ...; del t``: the run itself pins no tensor it handed out (nor one
+    it took from a finished read), so a limit of exactly one tensor is enough to stream."""
+    size = 2 * MiB + 24
+    written, tensors = _equal_tensors(tmp_path, 6, size, seed=31)
+    for order in ("completion", "checkpoint"):
+        cfg = config(concurrency=2, block_size=256 * KiB, memory_limit=size, io_mode="buffered")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with streamer.open(written.source, config=cfg, order=order) as s:
+                for name, t in s:
+                    assert_same(t, tensors[name], name)
+                    del t
+                metrics = s.metrics
+        assert metrics["peak_buffer_bytes"] <= size, metrics
+        assert metrics["buffers_reused"] == len(tensors) - 1, metrics
