@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
@@ -13,7 +14,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from streamer.checkpoint import Checkpoint, TensorRef, open_checkpoint
-from streamer.config import StreamerConfig
+from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine, parse_device
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
@@ -28,24 +29,37 @@ Run = LoadRun | StagedRun
 
 
 class _Iteration:
-    """One pass over a run; ``close()`` ends it for good and frees what its generator holds."""
+    """One pass over a run; ``close()`` ends it for good and frees what its generator holds.
+
+    Threads calling ``next`` take turns (each tensor goes to one of them); ``close`` from another
+    thread waits for the turn in progress, so a generator is never entered twice at once.
+    """
 
     def __init__(self, run: Run) -> None:
         self._results = run.results()
         self._stopped = False
+        self._turn = threading.Lock()
+        self.owner = threading.current_thread()
 
     def __iter__(self) -> _Iteration:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        if self._stopped:
-            raise StreamerError("this iteration was stopped: the handle was closed or iterated again")
-        return next(self._results)
+        with self._turn:
+            if self._stopped:
+                raise StreamerError("this iteration was stopped: the handle was closed or iterated again")
+            return next(self._results)
+
+    @property
+    def running(self) -> bool:
+        """Started or not, but neither finished nor closed."""
+        return not self._stopped and inspect.getgeneratorstate(self._results) != inspect.GEN_CLOSED
 
     def close(self) -> None:
-        # A pass that already ran to its end just stays finished.
-        self._stopped = inspect.getgeneratorstate(self._results) != inspect.GEN_CLOSED
-        self._results.close()
+        with self._turn:
+            # A pass that already ran to its end just stays finished.
+            self._stopped = inspect.getgeneratorstate(self._results) != inspect.GEN_CLOSED
+            self._results.close()
 
 
 class Streamer:
@@ -120,11 +134,29 @@ class Streamer:
         return self.get_tensor(name)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Starts a new pass (ending any pass still under way); dropping the iterator ends it too."""
+        """Starts a new pass; dropping the iterator ends it.
+
+        Iterating again from the thread that started the pass under way ends that pass. From
+        another thread, while that pass runs, it is a ``StreamerError`` and the first pass goes
+        on (open a second handle to read in parallel). Threads may share one iterator: ``next``
+        calls take turns and each tensor goes to one of them.
+        """
         return self._iterate(keep_all=False)
 
     def _iterate(self, *, keep_all: bool) -> _Iteration:
         """``keep_all``: the caller keeps every tensor (``load``), so host buffers are not limited."""
+        current = self._iteration() if self._iteration is not None else None
+        if (
+            current is not None
+            and current.running
+            and current.owner is not threading.current_thread()
+            and current.owner.is_alive()
+        ):
+            raise StreamerError(
+                f"this handle is being iterated by thread {current.owner.name!r}: a handle streams one "
+                "pass at a time (open another handle, or share the iterator)",
+                path=self._checkpoint.paths[0],
+            )
         self._stop()
         run = self._new_run(
             list(self._checkpoint.refs()), ordered=self._order == "checkpoint", keep_all=keep_all
@@ -142,7 +174,7 @@ class Streamer:
         """
         engine = copy_engine.staged_engine(self.device)
         if engine is None:
-            config = dataclasses.replace(self.config, memory_limit=None) if keep_all else self.config
+            config = dataclasses.replace(self.config, memory_limit=UNLIMITED) if keep_all else self.config
             return LoadRun(self._checkpoint, refs, config, ordered=ordered)
         device = self.device
         return StagedRun(

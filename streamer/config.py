@@ -41,15 +41,6 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
-def _env_size(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    if raw.strip().lower() in ("none", "unlimited", "0"):
-        return None
-    return parse_size(raw, name=name)
-
-
 def _env_io_mode() -> IoMode:
     raw = os.environ.get("STREAMER_IO_MODE", "auto").strip().lower()
     for mode in IO_MODES:
@@ -164,15 +155,32 @@ class S3Config:
         return f"S3Config({', '.join(shown)})"
 
 
+UNLIMITED: Literal["unlimited"] = "unlimited"
+MemoryLimit = int | Literal["unlimited"] | None
+
+
+def _env_memory_limit() -> MemoryLimit:
+    """``STREAMER_MEMORY_LIMIT``: unset, empty or ``auto`` is None (auto); ``unlimited``, ``none``
+    and ``0`` (their meaning before auto existed) are ``UNLIMITED``; anything else is a size."""
+    raw = (os.environ.get("STREAMER_MEMORY_LIMIT") or "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in ("none", "unlimited", "0"):
+        return UNLIMITED
+    return parse_size(raw, name="STREAMER_MEMORY_LIMIT")
+
+
 @dataclass(frozen=True)
 class StreamerConfig:
     """How a load runs.
 
     concurrency: reader threads for local files (S3: ``s3.concurrency`` requests in flight).
     block_size: bytes per read; tensors are cut into, or grouped by, blocks of this size.
-    memory_limit: cap on host bytes held by a streaming load (in flight, undelivered and
-        still referenced by the consumer); ``None`` means unbounded. ``load()`` keeps every
-        tensor, so it ignores the limit.
+    memory_limit: cap on tensor bytes a streaming load holds in host buffers (in flight, not yet
+        handed out, and still referenced by the consumer). ``None`` (the default) sizes it from
+        the checkpoint and the memory available (see ``streamer.memory``); ``"unlimited"`` lets
+        readers run ahead without bound; an int is a cap in bytes. ``load()`` keeps every
+        tensor, so it ignores the limit on the CPU.
     io_mode: ``auto`` reads a file buffered when the page cache holds most of the bytes this
         read needs of it, else with O_DIRECT; ``buffered`` or ``direct`` force one strategy.
     hugepages: back CPU destinations with transparent huge pages. Off by default: on the
@@ -186,17 +194,25 @@ class StreamerConfig:
             os.environ.get("STREAMER_BLOCK_SIZE") or "8MiB", name="STREAMER_BLOCK_SIZE"
         )
     )
-    memory_limit: int | None = field(default_factory=lambda: _env_size("STREAMER_MEMORY_LIMIT", None))
+    memory_limit: MemoryLimit = field(default_factory=_env_memory_limit)
     io_mode: IoMode = field(default_factory=_env_io_mode)
     hugepages: bool = field(default_factory=lambda: _env_int("STREAMER_HUGEPAGES", 0) != 0)
     s3: S3Config = field(default_factory=S3Config)
+
+    @property
+    def explicit_memory_limit(self) -> int | None:
+        """The limit in bytes when the user gave one; None for auto or unlimited."""
+        return self.memory_limit if isinstance(self.memory_limit, int) else None
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 1024:
             raise ConfigError(f"concurrency must be in 1..1024, got {self.concurrency}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
-        if self.memory_limit is not None and self.memory_limit < 1:
-            raise ConfigError(f"memory_limit must be positive or None, got {self.memory_limit}")
+        limit = self.memory_limit
+        if limit is not None and limit != UNLIMITED and (not isinstance(limit, int) or limit < 1):
+            raise ConfigError(
+                f"memory_limit must be a positive number of bytes, None (auto) or 'unlimited', got {limit!r}"
+            )
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")

@@ -22,7 +22,9 @@ class LoadMetrics:
     consumer_wait_seconds: float = 0.0
     memory_wait_seconds: float = 0.0
     alloc_seconds: float = 0.0
-    peak_buffer_bytes: int = 0
+    peak_buffer_bytes: int = 0  # CPU streaming: tensor bytes charged to the budget at most at once
+    memory_limit: int | None = None  # CPU streaming: the budget in force (None: unbounded)
+    memory_limit_source: str = ""  # CPU streaming: "user", "unlimited" or "auto: <how it was sized>"
     buffers_reused: int = 0  # CPU loads: segments read into a buffer whose views had all died
     ring_alloc_seconds: float = 0.0  # staged loads: allocating (pinning) the host ring
     copy_wait_seconds: float = 0.0  # staged loads: consumer blocked on copies with no read in flight
@@ -83,6 +85,8 @@ class LoadMetrics:
             "memory_wait_s": self.memory_wait_seconds,
             "alloc_s": self.alloc_seconds,
             "peak_buffer_bytes": self.peak_buffer_bytes,
+            "memory_limit": self.memory_limit,
+            "memory_limit_source": self.memory_limit_source,
             "buffers_reused": self.buffers_reused,
             "ring_alloc_s": self.ring_alloc_seconds,
             "copy_wait_s": self.copy_wait_seconds,

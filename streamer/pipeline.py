@@ -22,6 +22,7 @@ from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.cpu import BufferPool, MemoryBudget, empty_tensor, tensor_view
 from streamer.engine import native
 from streamer.errors import ReadError, SourceError, StreamerError
+from streamer.memory import streaming_budget
 from streamer.metrics import LoadMetrics
 from streamer.planner import Segment, plan_segments
 from streamer.reader import Reader
@@ -30,6 +31,9 @@ from streamer.selection import Selection, run_then_close
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
 _CACHED_FRACTION = 0.5  # auto mode reads a file buffered when at least this much of it is cached
 _RESIDENCY_SAMPLE = 16  # auto mode looks at one MiB in 16: ~1 ms per GiB instead of ~15
+_SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
+
+Result = tuple[str, torch.Tensor, int]  # name, tensor, charge of the buffer it views (0: none)
 
 
 class LoadRun:
@@ -48,12 +52,10 @@ class LoadRun:
         self._unit_refs = selection.with_bytes()
         self._units = [native.Unit(engine_file[r.file], r.entry.begin, r.entry.end) for r in self._unit_refs]
         self._named_units = [(u, r.entry.name) for u, r in zip(self._units, self._unit_refs, strict=True)]
-        # A segment's buffer is its tensors' span rounded out to the alignment at both ends: with
-        # spans of at most a quarter of the limit less that rounding, four buffers fit the limit.
-        slack = 2 * DIRECT_IO_ALIGNMENT
-        segment_bytes = (
-            None if config.memory_limit is None else max(config.block_size, config.memory_limit // 4 - slack)
-        )
+        budget = streaming_budget(config, [r.entry.nbytes for r in self._unit_refs])
+        self._explicit_limit = config.explicit_memory_limit is not None
+        # Segments of small tensors span at most a quarter of the limit: four buffers fit it.
+        segment_bytes = None if budget.limit is None else max(DIRECT_IO_ALIGNMENT, budget.limit // 4 - _SLACK)
         self._segments = plan_segments(
             self._units,
             block_size=config.block_size,
@@ -64,22 +66,25 @@ class LoadRun:
         for index, segment in enumerate(self._segments):
             for unit in range(segment.first_unit, segment.last_unit + 1):
                 self._segment_of_unit[unit] = index
-        self._budget = MemoryBudget(config.memory_limit)
+        self._budget = MemoryBudget(budget.limit)
         self._pool = BufferPool(self._budget, hugepages=config.hugepages)
         # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
         self._common_capacity = (
             0
             if segment_bytes is None
-            else max((s.size for s in self._segments if s.size <= segment_bytes + slack), default=0)
+            else max((s.size for s in self._segments if s.size <= segment_bytes + _SLACK), default=0)
         )
         self._engine: Reader | None = None
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, int]] = {}  # segment -> its buffer and charge
         self._undelivered: dict[int, int] = {}
         self._next_segment = 0
         self._in_flight = 0
         self._warned_over_limit = False
         self._waiting = 0  # tensors taken from their buffers but not yet handed to the consumer
+        self._current_charge = 0  # charge of the buffer the consumer's last tensor views
         self.metrics = selection.new_metrics()
+        self.metrics.memory_limit = budget.limit
+        self.metrics.memory_limit_source = budget.source
 
     def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yields ``(name, tensor)`` in completion order, or checkpoint order if ``ordered``."""
@@ -99,12 +104,12 @@ class LoadRun:
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.metrics.start()
         self._engine = start_engine(self._checkpoint, self._files, self._config, self._units, self.metrics)
-        pending: dict[int, tuple[str, torch.Tensor]] = {}  # position in self._refs -> result
-        ready: deque[tuple[str, torch.Tensor]] = deque()
+        pending: dict[int, Result] = {}  # position in self._refs -> result
+        ready: deque[Result] = deque()
         unit_position = [i for i, r in enumerate(self._refs) if r.entry.nbytes > 0]
         for position, ref in enumerate(self._refs):
             if ref.entry.nbytes == 0:
-                pending[position] = (ref.entry.name, empty_tensor(ref.entry))
+                pending[position] = (ref.entry.name, empty_tensor(ref.entry), 0)
         if not self._ordered:
             ready.extend(pending.values())
             pending.clear()
@@ -114,15 +119,17 @@ class LoadRun:
             blocked_on_memory = not self._submit_what_fits()
             while ready or next_position in pending:
                 if ready:
-                    item = ready.popleft()
+                    name, tensor, charge = ready.popleft()
                 else:
-                    item = pending.pop(next_position)
+                    name, tensor, charge = pending.pop(next_position)
                     next_position += 1
                 delivered += 1
                 self.metrics.tensor_delivered()
-                if item[1].numel():
+                if tensor.numel():
                     self._waiting -= 1
-                yield item
+                self._current_charge = charge
+                yield name, tensor
+                del tensor  # the consumer's own reference decides when its buffer is free
             if delivered == len(self._refs):
                 break
             if self._in_flight == 0:
@@ -135,19 +142,18 @@ class LoadRun:
             self.metrics.add_wait(time.perf_counter() - waited, blocked_on_memory)
             for unit in completed:
                 self._in_flight -= 1
-                result = self._take_tensor(unit)
                 self._waiting += 1
+                # No local name for the result: the frame must not outlive the consumer's reference.
                 if self._ordered:
-                    pending[unit_position[unit]] = result
+                    pending[unit_position[unit]] = self._take_tensor(unit)
                 else:
-                    ready.append(result)
+                    ready.append(self._take_tensor(unit))
 
     def _submit_what_fits(self) -> bool:
         """Queues segments in order while the budget allows; False if one is waiting for memory.
 
         When nothing of this run is in flight or undelivered, the next segment is queued even
-        over the limit: either it holds a tensor larger than the limit, or the consumer keeps
-        what it was given. Reading then goes on one segment at a time instead of stalling.
+        over the limit rather than stall: what holds the memory then is the consumer.
         """
         assert self._engine is not None
         while self._next_segment < len(self._segments):
@@ -157,38 +163,66 @@ class LoadRun:
             buffer = self._pool.take(segment.size) or self._new_buffer(segment, force=alone)
             if buffer is None:
                 return False
-            if alone and self._budget.over_limit and not self._warned_over_limit:
-                self._warned_over_limit = True
-                warnings.warn(
-                    f"memory_limit {self._config.memory_limit} exceeded: {self._budget.used} bytes are "
-                    "held by tensors already handed out or by a tensor larger than the limit; "
-                    "reading continues one segment at a time",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
             self._queue_segment(index, segment, buffer)
             self._next_segment += 1
         return True
 
-    def _new_buffer(self, segment: Segment, *, force: bool) -> tuple[torch.Tensor, int] | None:
-        """Fresh memory for ``segment`` if the budget allows (after unmapping idle buffers), else None."""
+    def _new_buffer(self, segment: Segment, *, force: bool) -> tuple[torch.Tensor, int, int] | None:
+        """Fresh memory for ``segment`` if the budget allows (after unmapping idle buffers), else None.
+
+        The buffer is charged with the tensor bytes it is made for (a shared capacity counts
+        whole, less the alignment rounding): see ``MemoryBudget``.
+        """
         capacity = max(segment.size, self._common_capacity)
-        if not self._budget.try_reserve(capacity):
+        tensor_bytes = self._units[segment.last_unit].end - self._units[segment.first_unit].begin
+        charge = max(tensor_bytes, capacity - _SLACK)
+        if not self._budget.try_reserve(charge):
             self._pool.drop_idle()
-            if not self._budget.try_reserve(capacity, force=force):
-                return None
+            if not self._budget.try_reserve(charge):
+                if not force:
+                    return None
+                self._warn_if_over_limit(segment, charge)
+                self._budget.try_reserve(charge, force=True)
         allocated = time.perf_counter()
         try:
-            buffer = self._pool.allocate(capacity)
+            buffer = self._pool.allocate(capacity, charge)
         except MemoryError:
-            self._budget.release(capacity)
+            self._budget.release(charge)
             raise
         self.metrics.add_alloc(time.perf_counter() - allocated)
         return buffer
 
-    def _queue_segment(self, index: int, segment: Segment, buffer: tuple[torch.Tensor, int]) -> None:
+    def _warn_if_over_limit(self, segment: Segment, charge: int) -> None:
+        """Once per run, when reading on needs more than the limit for a reason the user can change.
+
+        The tensor a ``for`` loop still references while it asks for the next is not one: the
+        next segment is then read beside it, over the limit, without a word.
+        """
+        limit = self._budget.limit
+        if self._warned_over_limit or limit is None:
+            return
+        held = self._budget.used - self._current_charge
+        if charge > limit and self._explicit_limit:
+            name = self._unit_refs[segment.first_unit].entry.name
+            message = (
+                f"memory_limit {limit} is smaller than tensor {name!r} ({charge} bytes): it is read "
+                "alone, over the limit; raise memory_limit, or leave it unset to size it from the checkpoint"
+            )
+        elif held + charge > limit:
+            message = (
+                f"memory_limit {limit} exceeded: the tensors handed out and still referenced hold "
+                f"{self._budget.used} bytes; reading goes on one segment at a time. Drop (del) tensors "
+                "you are done with, raise or unset memory_limit, or use streamer.load() to keep everything"
+            )
+        else:
+            return
+        self._warned_over_limit = True
+        warnings.warn(message, RuntimeWarning, stacklevel=7)  # the caller of next() or get_tensor()
+
+    def _queue_segment(self, index: int, segment: Segment, buffer: tuple[torch.Tensor, int, int]) -> None:
         assert self._engine is not None
-        self._buffers[index], base = buffer
+        tensor, base, charge = buffer
+        self._buffers[index] = (tensor, charge)
         self._undelivered[index] = segment.last_unit - segment.first_unit + 1
         self._in_flight += segment.last_unit - segment.first_unit + 1
         try:
@@ -197,16 +231,17 @@ class LoadRun:
             raise engine_error(self._checkpoint, self._files, self._named_units, failure.info) from None
         self.metrics.blocks += len(segment.blocks)
 
-    def _take_tensor(self, unit: int) -> tuple[str, torch.Tensor]:
+    def _take_tensor(self, unit: int) -> Result:
         index = self._segment_of_unit[unit]
         segment = self._segments[index]
         entry = self._unit_refs[unit].entry
-        tensor = tensor_view(self._buffers[index], entry.begin - segment.buffer_begin, entry)
+        buffer, charge = self._buffers[index]
+        tensor = tensor_view(buffer, entry.begin - segment.buffer_begin, entry)
         self._undelivered[index] -= 1
         if self._undelivered[index] == 0:
             del self._buffers[index]  # the views now own it
             del self._undelivered[index]
-        return entry.name, tensor
+        return entry.name, tensor, charge
 
 
 def start_engine(

@@ -103,7 +103,7 @@ class StagedRun:
         self._destination = None
 
     def _ring_bytes(self, pinned: bool) -> int:
-        limit = self._config.memory_limit if self._config.memory_limit is not None else DEFAULT_RING_BYTES
+        limit = self._config.explicit_memory_limit or DEFAULT_RING_BYTES  # auto/unlimited: the default ring
         if limit < DIRECT_IO_ALIGNMENT:
             raise ConfigError(
                 f"memory_limit {limit} is too small for a staged load: the ring needs at least "

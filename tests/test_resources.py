@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import gc
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from conftest import (
 )
 
 import streamer
-from streamer import ReadError, SourceError
+from streamer import ReadError, SourceError, StreamerError
 
 # Budgets here are small on purpose; the pipeline may warn that it went over one (see
 # test_memory_limit.py for that behaviour). This file is about threads, descriptors and buffers.
@@ -266,3 +268,34 @@ def test_many_loads_in_a_row(ckpt: Written, baseline: Callable[[str], None]) -> 
         with streamer.open(ckpt.index, config=_cfg()) as s:
             next(iter(s))
     baseline("30 loads and 30 early exits")
+
+
+def test_close_from_another_thread_mid_pass(ckpt: Written, baseline: Callable[[str], None]) -> None:
+    """close() while another thread iterates waits for its next() in progress, then releases
+    every thread, descriptor and buffer; that thread's pass ends with a StreamerError."""
+
+    def scenario() -> None:
+        s = streamer.open(ckpt.index, config=_cfg(memory_limit=MiB))
+        handed = threading.Event()
+        outcome: list[type[BaseException] | None] = []
+
+        def consume() -> None:
+            try:
+                for _name, _tensor in s:
+                    handed.set()
+                    time.sleep(0.005)
+                outcome.append(None)
+            except BaseException as exc:  # judged below; its traceback would keep the last tensor
+                outcome.append(type(exc))
+
+        worker = threading.Thread(target=consume)
+        worker.start()
+        assert handed.wait(timeout=60)
+        s.close()
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+        assert outcome in ([None], [StreamerError]), outcome
+        gc.collect()
+        assert _budget_used(s) == 0, "buffers outlived their tensors"
+
+    _repeat(baseline, "close from another thread", scenario)

@@ -18,17 +18,20 @@ from streamer.errors import ConfigError, SourceError
 
 streamer_vllm = pytest.importorskip("streamer_vllm", reason="the plugin (integrations/vllm) is not installed")
 from streamer_vllm.checks import check_all_loaded, target_device  # noqa: E402
-from streamer_vllm.options import DEFAULT_MEMORY_LIMIT, KEYS, parse_options, weights_source  # noqa: E402
+from streamer_vllm.options import KEYS, parse_options, weights_source  # noqa: E402
 
 
-def test_no_keys_keeps_streamer_defaults_but_bounds_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_keys_keeps_streamer_defaults_and_its_auto_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("STREAMER_MEMORY_LIMIT", raising=False)
     options = parse_options({})
     assert options.weights is None
     assert options.config.concurrency == 8
-    assert options.config.memory_limit == DEFAULT_MEMORY_LIMIT
+    assert options.config.memory_limit is None  # auto: sized from the checkpoint when it streams
     assert parse_options(None) == options
     monkeypatch.setenv("STREAMER_MEMORY_LIMIT", "64MiB")
     assert parse_options({}).config.memory_limit == 64 << 20
+    monkeypatch.setenv("STREAMER_MEMORY_LIMIT", "unlimited")
+    assert parse_options({}).config.memory_limit == "unlimited"
 
 
 def test_every_key() -> None:
@@ -39,7 +42,7 @@ def test_every_key() -> None:
     assert options.config.block_size == 1 << 20
     assert options.config.memory_limit == 64 << 20
     assert options.weights == "s3://bucket/llama/"
-    assert parse_options({"memory_limit": None}).config.memory_limit is None
+    assert parse_options({"memory_limit": None}).config.memory_limit == "unlimited"  # null: unbounded
 
 
 def test_environment_defaults_apply_to_keys_not_given(monkeypatch: pytest.MonkeyPatch) -> None:

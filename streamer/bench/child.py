@@ -68,8 +68,8 @@ def _prepare_streamer(request: dict[str, Any]) -> Prepared:
         knob = {"s3": streamer.S3Config(concurrency=concurrency)}
     else:
         knob = {"concurrency": concurrency}
-    # memory_limit=None as streamer.load() does: everything is kept, so no limit applies.
-    config = streamer.StreamerConfig(memory_limit=None, **knob)
+    # Unlimited as streamer.load() does: everything is kept, so no limit applies.
+    config = streamer.StreamerConfig(memory_limit="unlimited", **knob)
 
     def run_open() -> Loaded:
         # What streamer.load() does (iterate a Streamer, keep every tensor), plus its metrics.

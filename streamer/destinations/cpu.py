@@ -20,7 +20,11 @@ from streamer.format.safetensors import TensorEntry
 
 
 class MemoryBudget:
-    """Host bytes committed to buffers that are still alive, checked against a limit.
+    """Tensor bytes of buffers that are still alive, checked against a limit.
+
+    A buffer is charged with the tensor bytes it was made for, not its page-rounded capacity:
+    rounding out to the alignment at both ends costs under 8 KiB per buffer, and must not make a
+    limit of exactly N tensors too small for N tensors.
 
     Buffers are returned from finalizers, which may run on any thread and in the
     middle of other code on this thread; hence the re-entrant lock.
@@ -39,10 +43,6 @@ class MemoryBudget:
     @property
     def peak(self) -> int:
         return self._peak
-
-    @property
-    def over_limit(self) -> bool:
-        return self.limit is not None and self._used > self.limit
 
     def try_reserve(self, size: int, *, force: bool = False) -> bool:
         """Reserves ``size`` bytes if they fit under the limit, or unconditionally with ``force``."""
@@ -83,31 +83,31 @@ class BufferPool:
     def __init__(self, budget: MemoryBudget, *, hugepages: bool) -> None:
         self._budget = budget
         self._hugepages = hugepages
-        self._idle: list[tuple[Any, int]] = []  # (pointer, capacity)
+        self._idle: list[tuple[Any, int, int]] = []  # (pointer, capacity, charge in the budget)
         self._closed = False
         self._lock = threading.RLock()  # released from finalizers, as MemoryBudget explains
         self.reused = 0
 
-    def take(self, size: int) -> tuple[torch.Tensor, int] | None:
-        """An idle buffer of at least ``size`` bytes and its address, or None if there is none."""
+    def take(self, size: int) -> tuple[torch.Tensor, int, int] | None:
+        """The smallest idle buffer of at least ``size`` bytes, its address and charge; None if none fits."""
         with self._lock:
-            found = next((i for i, (_, capacity) in enumerate(self._idle) if capacity >= size), None)
-            if found is None:
+            fitting = [(capacity, i) for i, (_, capacity, _) in enumerate(self._idle) if capacity >= size]
+            if not fitting:
                 return None
-            pointer, capacity = self._idle.pop(found)
+            pointer, capacity, charge = self._idle.pop(min(fitting)[1])
             self.reused += 1
-        return self._wrap(pointer, capacity)
+        return self._wrap(pointer, capacity, charge)
 
-    def allocate(self, capacity: int) -> tuple[torch.Tensor, int]:
-        """A fresh buffer; its ``capacity`` bytes must already be reserved in the budget."""
-        return self._wrap(native.allocate(capacity, self._hugepages), capacity)
+    def allocate(self, capacity: int, charge: int) -> tuple[torch.Tensor, int, int]:
+        """A fresh buffer of ``capacity`` bytes; its ``charge`` must already be reserved in the budget."""
+        return self._wrap(native.allocate(capacity, self._hugepages), capacity, charge)
 
     def drop_idle(self) -> bool:
         """Unmaps the idle buffers, returning their bytes to the budget; False if there were none."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for pointer, capacity in idle:
-            self._unmap(pointer, capacity)
+        for pointer, capacity, charge in idle:
+            self._unmap(pointer, capacity, charge)
         return bool(idle)
 
     def close(self) -> None:
@@ -116,19 +116,20 @@ class BufferPool:
             self._closed = True
         self.drop_idle()
 
-    def _wrap(self, pointer: Any, capacity: int) -> tuple[torch.Tensor, int]:
-        return _tensor_over(native.own(pointer, capacity, lambda p: self._released(p, capacity)), capacity)
+    def _wrap(self, pointer: Any, capacity: int, charge: int) -> tuple[torch.Tensor, int, int]:
+        memory = native.own(pointer, capacity, lambda p: self._released(p, capacity, charge))
+        return (*_tensor_over(memory, capacity), charge)
 
-    def _released(self, pointer: Any, capacity: int) -> None:
+    def _released(self, pointer: Any, capacity: int, charge: int) -> None:
         with self._lock:
             if not self._closed:
-                self._idle.append((pointer, capacity))
+                self._idle.append((pointer, capacity, charge))
                 return
-        self._unmap(pointer, capacity)
+        self._unmap(pointer, capacity, charge)
 
-    def _unmap(self, pointer: Any, capacity: int) -> None:
+    def _unmap(self, pointer: Any, capacity: int, charge: int) -> None:
         native.free(pointer, capacity, self._hugepages)
-        self._budget.release(capacity)
+        self._budget.release(charge)
 
 
 def _tensor_over(memory: Any, size: int) -> tuple[torch.Tensor, int]:

@@ -71,12 +71,15 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         loaded = cast(Any, model).load_weights(self.iterate_weights(source, device, metrics))
         seconds = time.perf_counter() - started
         nbytes = int(metrics.get("bytes", 0))
+        why = metrics.get("memory_limit_source")  # CPU streaming only; a GPU load goes through the ring
+        budget = f", memory_limit {metrics.get('memory_limit')} ({why})" if why else ""
         logger.info(
-            "Loading weights took %.2f seconds (streamer: %d bytes from %s to %s, %.2f GB/s)",
+            "Loading weights took %.2f seconds (streamer: %d bytes from %s to %s, %.2f GB/s%s)",
             seconds,
             nbytes,
             source,
             device,
             nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            budget,
         )
         check_all_loaded(model, loaded, quantized=model_config.quantization is not None)

@@ -4,8 +4,8 @@ Keys (all optional): ``concurrency`` (reader threads), ``block_size`` and ``memo
 as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unbounded), and
 ``weights`` (a local file, directory, ``*.index.json`` or ``s3://`` URI holding the safetensors,
 for when ``--model`` is a directory with only the config and tokenizer). Fields not given keep
-``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables), except that an unset
-``memory_limit`` becomes ``DEFAULT_MEMORY_LIMIT``.
+``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an unset
+``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamer.config import StreamerConfig, parse_size
+from streamer.config import UNLIMITED, StreamerConfig, parse_size
 from streamer.errors import ConfigError, SourceError
 
 KEYS = ("concurrency", "block_size", "memory_limit", "weights")
 INDEX_NAME = "model.safetensors.index.json"
-# vLLM copies each tensor into its parameter and lets go of it: a bounded set of host buffers,
-# reused as their tensors die, holds memory flat and avoids faulting in fresh pages per tensor.
-DEFAULT_MEMORY_LIMIT = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -63,14 +60,11 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
         changes["block_size"] = _size("block_size", extra["block_size"])
     if "memory_limit" in extra:
         value = extra["memory_limit"]
-        changes["memory_limit"] = None if value is None else _size("memory_limit", value)
+        changes["memory_limit"] = UNLIMITED if value is None else _size("memory_limit", value)
     weights = extra.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
         raise ConfigError(f"weights must be a path or an s3:// URI, got {weights!r}")
-    defaults = StreamerConfig()
-    if "memory_limit" not in extra and defaults.memory_limit is None:
-        changes["memory_limit"] = DEFAULT_MEMORY_LIMIT
-    config = dataclasses.replace(defaults, **changes)  # __post_init__ checks the ranges
+    config = dataclasses.replace(StreamerConfig(), **changes)  # __post_init__ checks the ranges
     return LoaderOptions(config=config, weights=weights)
 
 
