@@ -28,10 +28,12 @@ import contextlib
 import re
 import socket
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
+T = TypeVar("T")
 _HEAD_LIMIT = 64 * 1024
 _SCRATCH = 64 * 1024
 _LINE_LIMIT = 4096
@@ -546,7 +548,7 @@ class Connection:
             protocol = None
         if protocol is None:
             proxy = Proxy.for_target(target)
-            protocol = await asyncio.wait_for(self._connect(target, proxy), self._connect_timeout)
+            protocol = await bounded(self._connect(target, proxy), self._connect_timeout)
             self._protocol, self._where, self._proxy = protocol, where, proxy
         assert protocol is not None
         return protocol
@@ -576,6 +578,26 @@ class Connection:
         protocol, self._protocol = self._protocol, None
         if protocol is not None and protocol.transport is not None:
             protocol.transport.abort()  # no lingering FIN_WAIT; nothing more is sent anyway
+
+
+async def bounded(coroutine: Coroutine[Any, Any, T], seconds: float) -> T:
+    """``coroutine``'s result, or ``TimeoutError`` after ``seconds`` (it is then cancelled).
+
+    Unlike ``asyncio.wait_for`` on Python < 3.12, an exception the coroutine raises as the caller
+    is cancelled is still retrieved: no "Task exception was never retrieved" at shutdown.
+    """
+    task = asyncio.ensure_future(coroutine)
+    try:
+        await asyncio.wait({task}, timeout=seconds)
+    finally:
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+        if not task.cancelled():
+            task.exception()
+    if task.cancelled():
+        raise TimeoutError(f"no answer within {seconds:.3g} s")
+    return task.result()
 
 
 def _settle(done: asyncio.Future[None]) -> None:

@@ -27,7 +27,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,6 +39,7 @@ from streamer.backends.http import (
     SizeChanged,
     Target,
     UnsupportedProxy,
+    bounded,
     content_range,
     ssl_context,
 )
@@ -418,7 +419,7 @@ class S3Client:
         self,
         uri: S3Uri,
         byte_range: tuple[int, int] | None,
-        once: Callable[[], Awaitable[T]],
+        once: Callable[[], Coroutine[Any, Any, T]],
         *,
         nbytes: int,
         source_errors: bool = False,
@@ -442,20 +443,20 @@ class S3Client:
             if until is not None:
                 budget = min(budget, until - time.monotonic())
             failure: _Retry | _Fatal
+            tried = time.monotonic()
             try:
                 if budget <= 0:
                     raise TimeoutError
-                return await asyncio.wait_for(once(), budget)
+                return await bounded(once(), budget)
             except asyncio.CancelledError:
                 raise
-            except (asyncio.TimeoutError, TimeoutError) as exc:
-                if cut_by_deadline:
-                    failure = _Fatal(f"the load deadline of {c.load_deadline:g} s passed")
-                else:
-                    failure = _classify(exc)
-                    failure.reason = f"{failure.reason} (the try ran past its {budget:.3g} s)"
             except Exception as exc:
                 failure = _classify(exc)
+                if isinstance(exc, TimeoutError) and time.monotonic() - tried >= budget:
+                    if cut_by_deadline:
+                        failure = _Fatal(f"the load deadline of {c.load_deadline:g} s passed")
+                    else:
+                        failure = _Retry(f"the try ran past its {budget:.3g} s (S3Config.min_rate)")
             where: dict[str, Any] = {
                 "bucket": uri.bucket,
                 "key": uri.key,
