@@ -155,7 +155,7 @@ class S3Config:
     header_bytes: int = 1 << 20
     min_rate: int = field(
         default_factory=lambda: parse_size(
-            os.environ.get("STREAMER_S3_MIN_RATE") or "32KiB", name="STREAMER_S3_MIN_RATE"
+            os.environ.get("STREAMER_S3_MIN_RATE") or "16KiB", name="STREAMER_S3_MIN_RATE"
         )
     )
     attempt_allowance: float = field(

@@ -10,6 +10,7 @@ stays open.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import select
@@ -82,6 +83,7 @@ class HostileS3:
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
+        self._clients: set[socket.socket] = set()
         self.stop = threading.Event()
         self._server = LoopbackServer(self._handle, "hostile-s3")
 
@@ -95,7 +97,12 @@ class HostileS3:
         return f"http://{host}:{port}"
 
     def close(self) -> None:
+        """Stops serving; connections the client left open are shut so no handler waits on them."""
         self.stop.set()
+        with self._lock:
+            for client in self._clients:
+                with contextlib.suppress(OSError):
+                    client.shutdown(socket.SHUT_RDWR)
         self._server.close()
 
     def requests(self, kind: str) -> list[Request]:
@@ -156,6 +163,8 @@ class HostileS3:
     # --- the connection loop -------------------------------------------------------------------
 
     def _handle(self, client: socket.socket) -> None:
+        with self._lock:
+            self._clients.add(client)
         reader = client.makefile("rb")
         try:
             while not self.stop.is_set():
@@ -172,6 +181,8 @@ class HostileS3:
         except OSError:
             return
         finally:
+            with self._lock:
+                self._clients.discard(client)
             reader.close()
             client.close()
 

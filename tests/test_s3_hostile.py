@@ -196,6 +196,16 @@ def no_etag(server: HostileS3, request: Request) -> Answer:
     return server.answer(request).replace("ETag", None)
 
 
+def etag_spelled(spell: Callable[[str], str]) -> Callable[[HostileS3, Request], Answer]:
+    """The right answer with its ETag written another way that means the same (weak, unquoted)."""
+
+    def make(server: HostileS3, request: Request) -> Answer:
+        answer = server.answer(request)
+        return answer.replace("ETag", spell(server.objects[request.path].etag))
+
+    return make
+
+
 def new_size(server: HostileS3, request: Request) -> Answer:
     answer = server.answer(request)
     size = len(server.objects[request.path].data)
@@ -389,6 +399,9 @@ CASES: dict[str, Case] = {
     "cut-answer-of-another-version": Case(
         on("data", cut_other_version), S3Error, CHANGED, 1, honour_if_match=False
     ),
+    "weak-etag": Case(on("data", send(etag_spelled(lambda e: "W/" + e)))),
+    "unquoted-etag": Case(on("data", send(etag_spelled(lambda e: e.strip('"'))))),
+    "header-weak-etag": Case(on("header", send(etag_spelled(lambda e: "W/" + e)))),
     "no-etag": Case(on("data", send(no_etag)), S3Error, "no ETag", 1, honour_if_match=False),
     "no-etag-opted-out": Case(
         on("data", send(no_etag)), honour_if_match=False, overrides={"require_etag": False}

@@ -587,14 +587,21 @@ async def bounded(coroutine: Coroutine[Any, Any, T], seconds: float) -> T:
     is cancelled is still retrieved: no "Task exception was never retrieved" at shutdown.
     """
     task = asyncio.ensure_future(coroutine)
+    interrupted = False
     try:
         await asyncio.wait({task}, timeout=seconds)
-    finally:
-        while not task.done():
-            task.cancel()
+    except asyncio.CancelledError:
+        interrupted = True
+    while not task.done():  # cancelled again while it winds down: it still ends before we do
+        task.cancel()
+        try:
             await asyncio.wait({task}, timeout=0.05)
-        if not task.cancelled():
-            task.exception()
+        except asyncio.CancelledError:
+            interrupted = True
+    if not task.cancelled():
+        task.exception()
+    if interrupted:
+        raise asyncio.CancelledError
     if task.cancelled():
         raise TimeoutError(f"no answer within {seconds:.3g} s")
     return task.result()

@@ -215,6 +215,15 @@ def _etag(text: str | None) -> str | None:
     return value or None
 
 
+def _if_match(etag: str | None) -> str | None:
+    """The ``If-Match`` for an ETag: quoted; none for a weak one, which If-Match never matches
+    (RFC 9110 compares strongly), so that only the returned ETag is compared."""
+    value = _etag(etag)
+    if value is None or etag is None or etag.strip().startswith("W/"):
+        return None
+    return f'"{value}"'
+
+
 class _Redactor(logging.Filter):
     """Masks the credentials of open clients in botocore's DEBUG records.
 
@@ -566,7 +575,8 @@ class S3Client:
         async def once() -> None:
             nonlocal done
             start = begin + done
-            options: dict[str, Any] = {"IfMatch": info.etag} if info.etag else {}
+            condition = _if_match(info.etag)
+            options: dict[str, Any] = {"IfMatch": condition} if condition else {}
             self.requests += 1
             response = await self._client.get_object(
                 Bucket=uri.bucket, Key=uri.key, Range=f"bytes={start}-{end - 1}", **options
@@ -635,7 +645,8 @@ class S3Client:
         """``read_into`` on the fast path: the body is received straight into ``view``."""
         uri = info.uri
         done = 0
-        headers = {"If-Match": info.etag} if info.etag else {}
+        condition = _if_match(info.etag)
+        headers = {"If-Match": condition} if condition else {}
 
         def verify(response_headers: Mapping[str, str]) -> bool:
             return self._check_etag(info, response_headers.get("etag"))
