@@ -414,7 +414,7 @@ CASES: dict[str, Case] = {
     "header-stall": Case(on("header", stall), S3Error, "gave up", 2, overrides={"max_attempts": 2}),
     "header-gzip": Case(on("header", send(gzip_encoded)), S3Error, "Content-Encoding: gzip", 1),
     "header-no-etag": Case(on("header", send(no_etag)), S3Error, "no ETag", 1),
-    "header-redirect": Case(on("header", send(redirect)), S3Error, "eu-west-2", 1),
+    "header-redirect": Case(on("header", send(redirect)), S3SourceError, "eu-west-2", 1),
     "header-length-garbage": Case(on("header", send(lengths("abc"))), S3Error, "", None),
     "header-huge-header-block": Case(on("header", send(huge_headers))),
     "header-huge-header-line": Case(on("header", send(huge_line)), S3Error, "", None),
@@ -461,17 +461,20 @@ def test_an_unverified_prefix_never_counts(
     assert any(r.first == first.first and r.number > first.number for r in data[1:])
 
 
-@pytest.mark.parametrize("same_token", [True, False], ids=["same-token", "new-tokens"])
-def test_endless_listings_end(
-    same_token: bool, checkpoint: Checkpoint, warm: None, caplog: pytest.LogCaptureFixture, deadline: Any
+LISTINGS = {
+    "same-token": Case(on("list", endless(True)), S3SourceError, "repeats a continuation token"),
+    "new-tokens": Case(
+        on("list", endless(False)), S3SourceError, "more than 5 pages", overrides={"max_list_pages": 5}
+    ),
+    "trickle": Case(on("list", trickle), S3Error, "ran past its", 2, overrides={"max_attempts": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(LISTINGS))
+def test_hostile_listings_end(
+    name: str, checkpoint: Checkpoint, warm: None, caplog: pytest.LogCaptureFixture, deadline: Any
 ) -> None:
-    case = Case(
-        on("list", endless(same_token)),
-        S3SourceError,
-        "repeats a continuation token" if same_token else "more than 5 pages",
-        overrides={"max_list_pages": 5},
-    )
-    run(case, checkpoint, caplog, deadline, uri=f"s3://{BUCKET}/hostile/")
+    run(LISTINGS[name], checkpoint, caplog, deadline, uri=f"s3://{BUCKET}/hostile/")
 
 
 def test_tls_without_the_ca_fails_at_once(

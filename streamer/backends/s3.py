@@ -475,7 +475,10 @@ class S3Client:
                 "attempts": attempts,
             }
             if isinstance(failure, _Fatal):
-                gone = source_errors and (failure.status in (403, 404, 407) or failure.code in _GONE_CODES)
+                gone = source_errors and (
+                    failure.status in (403, 404, 407, *_REDIRECTS)
+                    or failure.code in _GONE_CODES | _REDIRECT_CODES
+                )
                 raise (S3SourceError if gone else S3Error)(failure.reason, **where)
             delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
             out_of_time = time.monotonic() - started + delay > c.retry_deadline
