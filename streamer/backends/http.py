@@ -14,10 +14,15 @@ by botocore's own rule, so the data GETs take the same path as the client's head
 listings. Plain ``http`` targets are asked for in absolute form; ``https`` ones go through a
 ``CONNECT`` tunnel with TLS end to end. Only ``http://`` proxies are supported.
 
-Nothing here retries or knows S3 semantics beyond reading an error's ``<Code>``; failures are
-``HttpFailure`` (an answer that is not the bytes asked for), ``ProxyError`` (the proxy refused
-the tunnel) or ``OSError`` / ``TimeoutError`` (the connection broke or stalled), and
-``received`` tells the caller how far the body got.
+Every success is checked before a body byte lands: status, ``Content-Range`` (exactly the bytes
+asked for, of an object of the size expected), ``Content-Length`` (strict: duplicates must agree),
+no ``Content-Encoding``, then the caller's ``verify`` of the headers (the ETag). Interim ``1xx``
+answers are skipped, chunked bodies decoded into place (only their framing is copied), bodies
+without a length read to the close. Nothing here retries or knows S3 semantics beyond reading an
+error's ``<Code>``, ``<Endpoint>`` and ``<Region>``; failures are ``HttpFailure`` (an error
+status), ``ProtocolViolation`` (an answer that breaks HTTP or is not the range asked for),
+``SizeChanged``, ``ProxyError`` (the proxy refused the tunnel) or ``OSError`` / ``TimeoutError``
+(the connection broke or stalled), and ``received`` tells the caller how many body bytes count.
 """
 
 from __future__ import annotations
@@ -251,9 +256,7 @@ class _Response(asyncio.BufferedProtocol):
             self._pending += self._scratch[:nbytes]
         try:
             self._parse()
-        except (ProtocolViolation, SizeChanged, HttpFailure) as exc:
-            self._fail(exc)
-        except Exception as exc:  # the caller's verify refused the head
+        except Exception as exc:  # a broken answer, or the caller's verify refusing the head
             self._fail(exc)
 
     def eof_received(self) -> bool:

@@ -9,11 +9,14 @@ exactly as a reader thread would; a failure is reported to the engine, so the ru
 as for a failed local read.
 
 Each request is retried on throttling, 5xx, connection errors, timeouts and short bodies, for the
-bytes still missing only, with exponential backoff and full jitter, until ``max_attempts`` tries or
-``retry_deadline`` seconds. botocore's own retries are off, so the attempt counts are ours.
-Every ranged GET after the header read carries ``If-Match`` with the ETag the header read saw, and
-the returned ETag and object size are compared too: an object replaced during a load is an error,
-never a mixed checkpoint.
+bytes no verified response delivered only, with exponential backoff and full jitter, until
+``max_attempts`` tries or ``retry_deadline`` seconds; each try is cut after ``attempt_allowance +
+bytes / min_rate`` seconds, and the feeder's tries at the run's ``load_deadline``. botocore's own
+retries are off, so the attempt counts are ours. Every response (header reads too) must be the
+range asked for, of the size and ETag the header read saw (an ETag is required unless
+``require_etag`` is off); ranged GETs after the header read also carry ``If-Match``: an object
+replaced during a load is an error, never a mixed checkpoint. Errors are raised outside ``except``
+blocks, so no exception of the failed request (with its signed headers) hangs on their chain.
 
 aiobotocore and botocore are imported only when a client is made: ``import streamer`` stays cheap.
 """
