@@ -25,7 +25,7 @@ from hostile_s3 import Answer, Fault, HostileS3, Plan, Request, Version, error, 
 from tls_relay import TlsRelay
 
 import streamer
-from streamer import HeaderError, S3Config, S3Error, S3SourceError, StreamerConfig, StreamerError
+from streamer import ConfigError, HeaderError, S3Config, S3Error, S3SourceError, StreamerConfig, StreamerError
 
 pytest.importorskip("aiobotocore")
 
@@ -504,3 +504,23 @@ def test_the_suite_covers_the_matrix() -> None:
     }
     wanted |= {"gzip", "huge-header-block", "broken-safetensors-header"}
     assert wanted <= set(CASES)
+
+
+def test_deadline_and_etag_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = S3Config()
+    assert (defaults.min_rate, defaults.attempt_allowance, defaults.load_deadline) == (16 * KiB, 60.0, None)
+    assert defaults.require_etag
+    monkeypatch.setenv("STREAMER_S3_MIN_RATE", "1MiB")
+    monkeypatch.setenv("STREAMER_S3_ATTEMPT_ALLOWANCE", "5")
+    monkeypatch.setenv("STREAMER_S3_LOAD_DEADLINE", "600")
+    monkeypatch.setenv("STREAMER_S3_REQUIRE_ETAG", "0")
+    s3 = S3Config()
+    assert (s3.min_rate, s3.attempt_allowance, s3.load_deadline, s3.require_etag) == (
+        1 << 20,
+        5.0,
+        600.0,
+        False,
+    )
+    monkeypatch.setenv("STREAMER_S3_LOAD_DEADLINE", "-1")
+    with pytest.raises(ConfigError, match="load_deadline"):
+        S3Config()
