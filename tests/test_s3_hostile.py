@@ -123,6 +123,21 @@ def chunked(server: HostileS3, request: Request, client: Any) -> bool:
     return True
 
 
+def chunked_cut(server: HostileS3, request: Request, client: Any) -> bool:
+    """A chunked answer reset after its first chunk."""
+    answer = server.answer(request).replace("Content-Length", None).replace("Transfer-Encoding", "chunked")
+    client.sendall(answer.head() + f"{1000:X}\r\n".encode() + answer.body[:1000] + b"\r\n")
+    reset(client)
+    return False
+
+
+def chunked_too_long(server: HostileS3, request: Request, client: Any) -> bool:
+    answer = server.answer(request).replace("Content-Length", None).replace("Transfer-Encoding", "chunked")
+    body = answer.body + b"surplus"
+    client.sendall(answer.head() + f"{len(body):X}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+    return False
+
+
 def interim(server: HostileS3, request: Request, client: Any) -> bool:
     answer = server.answer(request)
     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" + answer.head() + answer.body)
@@ -248,13 +263,16 @@ def endless(same_token: bool) -> Fault:
 
 
 def on(kind: str, fault: Fault, times: int | None = None, then: Fault | None = None) -> Plan:
-    """``fault`` for requests of ``kind``: the first ``times`` of them (then ``then``), or all."""
+    """``fault`` for requests of ``kind``: the first ``times`` of them (then ``then``), or all.
+
+    ``header-rest``: the second GET of a header longer than ``header_bytes``."""
     hits = 0
     lock = threading.Lock()
 
     def plan(request: Request) -> Fault | None:
         nonlocal hits
-        if request.kind != kind:
+        rest_of_a_header = request.kind == "header" and request.first > 0
+        if request.kind != kind and not (kind == "header-rest" and rest_of_a_header):
             return None
         with lock:
             hits += 1
@@ -370,7 +388,17 @@ CASES: dict[str, Case] = {
     ),
     "200-for-a-range": Case(on("data", send(whole_object)), S3Error, "ignored the byte range", 3),
     "bad-status-line": Case(on("data", bad_status_line), S3Error, "not an HTTP/1.1 response", 3),
+    # each broken answer once: the retry is bit-exact
+    "missing-content-range-once": Case(
+        on("data", send(lambda s, r: s.answer(r).replace("Content-Range", None)), 1)
+    ),
+    "200-for-a-range-once": Case(on("data", send(whole_object), 1)),
+    "length-garbage-once": Case(on("data", send(lengths("abc")), 1)),
+    "huge-header-block-once": Case(on("data", send(huge_headers), 1)),
+    "chunked-cut-once": Case(on("data", chunked_cut, 1)),
+    "stall-once": Case(on("data", stall, 1)),
     # framing
+    "chunked-longer-than-the-range": Case(on("data", chunked_too_long), S3Error, "longer than the range", 3),
     "chunked": Case(on("data", chunked)),
     "interim-100-continue": Case(on("data", interim)),
     "close-delimited": Case(on("data", close_delimited)),
@@ -419,7 +447,24 @@ CASES: dict[str, Case] = {
     "header-huge-header-block": Case(on("header", send(huge_headers))),
     "header-huge-header-line": Case(on("header", send(huge_line)), S3Error, "", None),
     "header-reset-once": Case(on("header", cut, 1)),
-    "header-interim-and-chunked": Case(on("header", chunked, 1)),
+    "header-chunked": Case(on("header", chunked)),
+    "header-interim-100-continue": Case(on("header", interim)),
+    # the rest of a header longer than header_bytes (a second GET, through aiobotocore)
+    "long-header-wrong-content-range": Case(
+        on("header-rest", send(shifted_range)), S3Error, "not ", 3, overrides={"header_bytes": 16}
+    ),
+    "long-header-cut-once": Case(on("header-rest", cut, 1), overrides={"header_bytes": 16}),
+    "long-header-new-etag": Case(
+        on("header-rest", send(other_version)),
+        S3Error,
+        CHANGED,
+        1,
+        honour_if_match=False,
+        overrides={"header_bytes": 16},
+    ),
+    "long-header-no-etag": Case(
+        on("header-rest", send(no_etag)), S3Error, "no ETag", 1, overrides={"header_bytes": 16}
+    ),
     # a broken safetensors header
     "broken-safetensors-header": Case(lambda r: None, HeaderError, data=lambda c: b"\xff" * 8 + c.data[8:]),
 }

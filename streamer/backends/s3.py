@@ -543,8 +543,9 @@ class S3Client:
                 else:
                     raise _Retry(f"an HTTP {status} without a valid Content-Range")
                 want = min(length, size)
-                if span is not None and response.get("ContentLength") != want:
-                    raise _Retry(f"a Content-Length of {response.get('ContentLength')}, not {want}")
+                length_given = response.get("ContentLength")  # none for a chunked body
+                if span is not None and length_given is not None and length_given != want:
+                    raise _Retry(f"a Content-Length of {length_given}, not {want}")
                 info = ObjectInfo(uri, size, response.get("ETag"))
                 if info.etag is None and self.config.require_etag:
                     self._check_etag(info, None)
@@ -599,8 +600,9 @@ class S3Client:
                     raise _Retry("the server ignored the byte range, or sent no valid Content-Range")
                 if span is not None and span[:2] != (start, end - 1):
                     raise _Retry(f"the server sent bytes {span[0]}-{span[1]}, not {start}-{end - 1}")
-                if response.get("ContentLength") != total - done:
-                    raise _Retry(f"a Content-Length of {response.get('ContentLength')}, not {total - done}")
+                length_given = response.get("ContentLength")  # none for a chunked body
+                if length_given is not None and length_given != total - done:
+                    raise _Retry(f"a Content-Length of {length_given}, not {total - done}")
                 trusted = self._check_etag(info, response.get("ETag"))
                 while done + received < total:
                     chunk = await body.read(total - done - received)
