@@ -444,6 +444,7 @@ CASES: dict[str, Case] = {
     "header-no-etag": Case(on("header", send(no_etag)), S3Error, "no ETag", 1),
     "header-redirect": Case(on("header", send(redirect)), S3SourceError, "eu-west-2", 1),
     "header-length-garbage": Case(on("header", send(lengths("abc"))), S3Error, "", None),
+    "header-length-conflict": Case(on("header", send(lengths("10", "11"))), S3Error, "", None),
     "header-huge-header-block": Case(on("header", send(huge_headers))),
     "header-huge-header-line": Case(on("header", send(huge_line)), S3Error, "", None),
     "header-reset-once": Case(on("header", cut, 1)),
