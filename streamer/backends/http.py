@@ -248,6 +248,10 @@ class _Response(asyncio.BufferedProtocol):
             return
         if self._direct:
             self.received += nbytes
+            if self._state == _BODY:  # the hot path: nothing to parse
+                if self.received >= self._want:
+                    self._finish()
+                return
             if self._state == _CHUNK_DATA:
                 self._chunk_left -= nbytes
                 if self._chunk_left == 0:
