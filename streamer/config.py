@@ -73,6 +73,14 @@ def _env_flag(name: str) -> bool:
     return raw not in ("", "0", "false", "no", "off")
 
 
+def _env_seconds(name: str) -> float | None:
+    """Seconds, or ``None`` when unset, empty or ``none``."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip().lower() in ("", "none"):
+        return None
+    return _env_float(name, 0.0)
+
+
 AddressingStyle = Literal["auto", "path", "virtual"]
 ADDRESSING_STYLES: tuple[AddressingStyle, ...] = ("auto", "path", "virtual")
 
@@ -104,6 +112,14 @@ class S3Config:
         connection resets, timeouts and short bodies are retried for the missing bytes only,
         with exponential backoff and full jitter.
     retry_deadline: seconds after a request's first try after which no further try starts.
+    min_rate, attempt_allowance: one try for ``n`` bytes (data, header read or listing page) is
+        cut after ``attempt_allowance + n / min_rate`` seconds, even while bytes still trickle in.
+    load_deadline: seconds a run's S3 reads may take in all; tries in flight are cut at it.
+        ``None``: no such bound (each request is still bounded by the two above).
+    require_etag: every response must carry the ETag the header read saw. ``False`` accepts
+        responses without one (a replaced object may then go unnoticed, if the server also
+        ignores ``If-Match``); such a response's bytes count only once it completes.
+    max_list_pages: pages a prefix listing may take before it is an error.
     header_bytes: bytes fetched speculatively from the start of each file to read its header
         (a second request only when the header is longer).
     """
@@ -128,6 +144,17 @@ class S3Config:
     backoff_base: float = 0.1
     backoff_max: float = 5.0
     header_bytes: int = 1 << 20
+    min_rate: int = field(
+        default_factory=lambda: parse_size(
+            os.environ.get("STREAMER_S3_MIN_RATE") or "16KiB", name="STREAMER_S3_MIN_RATE"
+        )
+    )
+    attempt_allowance: float = field(
+        default_factory=lambda: _env_float("STREAMER_S3_ATTEMPT_ALLOWANCE", 60.0)
+    )
+    load_deadline: float | None = field(default_factory=lambda: _env_seconds("STREAMER_S3_LOAD_DEADLINE"))
+    require_etag: bool = field(default_factory=lambda: _env_int("STREAMER_S3_REQUIRE_ETAG", 1) != 0)
+    max_list_pages: int = 10_000
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= 1024:
@@ -139,7 +166,18 @@ class S3Config:
             raise ConfigError("give both access_key_id and secret_access_key, or neither")
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        for name in ("retry_deadline", "connect_timeout", "read_timeout", "backoff_base", "backoff_max"):
+        if self.min_rate < 1 or self.max_list_pages < 1:
+            raise ConfigError("min_rate and max_list_pages must be positive")
+        if self.load_deadline is not None and not self.load_deadline > 0:
+            raise ConfigError(f"load_deadline must be positive or None, got {self.load_deadline}")
+        for name in (
+            "retry_deadline",
+            "connect_timeout",
+            "read_timeout",
+            "backoff_base",
+            "backoff_max",
+            "attempt_allowance",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.header_bytes < 16:

@@ -266,12 +266,25 @@ def test_faults_on_the_header_read_are_retried(proxy: FaultProxy, single: Writte
     assert proxy.injected == 2
 
 
+def settled_counts() -> tuple[int, int]:
+    """Threads and descriptors once moto's handlers of the last connections are gone (5 s at most)."""
+    counts, until = (thread_count(), fd_count()), time.monotonic() + 5
+    while time.monotonic() < until:
+        time.sleep(0.2)
+        now = (thread_count(), fd_count())
+        if now == counts:
+            break
+        counts = now
+    return counts
+
+
 @pytest.fixture
 def no_leaks(single: Written, s3_server: str) -> Iterator[None]:
     """The process has the same threads and descriptors after the test as before (after a warm-up)."""
     streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(s3_server))
     gc.collect()
-    threads, fds, files = thread_count(), fd_count(), open_files()
+    threads, fds = settled_counts()
+    files = open_files()
     yield
     gc.collect()
     deadline = time.monotonic() + 5  # moto's own handler threads finish their last response

@@ -9,11 +9,14 @@ exactly as a reader thread would; a failure is reported to the engine, so the ru
 as for a failed local read.
 
 Each request is retried on throttling, 5xx, connection errors, timeouts and short bodies, for the
-bytes still missing only, with exponential backoff and full jitter, until ``max_attempts`` tries or
-``retry_deadline`` seconds. botocore's own retries are off, so the attempt counts are ours.
-Every ranged GET after the header read carries ``If-Match`` with the ETag the header read saw, and
-the returned ETag and object size are compared too: an object replaced during a load is an error,
-never a mixed checkpoint.
+bytes no verified response delivered only, with exponential backoff and full jitter, until
+``max_attempts`` tries or ``retry_deadline`` seconds; each try is cut after ``attempt_allowance +
+bytes / min_rate`` seconds, and the feeder's tries at the run's ``load_deadline``. botocore's own
+retries are off, so the attempt counts are ours. Every response (header reads too) must be the
+range asked for, of the size and ETag the header read saw (an ETag is required unless
+``require_etag`` is off); ranged GETs after the header read also carry ``If-Match``: an object
+replaced during a load is an error, never a mixed checkpoint. Errors are raised outside ``except``
+blocks, so no exception of the failed request (with its signed headers) hangs on their chain.
 
 aiobotocore and botocore are imported only when a client is made: ``import streamer`` stays cheap.
 """
@@ -27,11 +30,22 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from streamer.backends.http import Connection, HttpFailure, ProxyError, Target, UnsupportedProxy, ssl_context
+from streamer.backends.http import (
+    Connection,
+    HttpFailure,
+    ProtocolViolation,
+    ProxyError,
+    SizeChanged,
+    Target,
+    UnsupportedProxy,
+    bounded,
+    content_range,
+    ssl_context,
+)
 from streamer.config import S3Config
 from streamer.engine import native
 from streamer.errors import S3Error, S3SourceError, SourceError
@@ -53,6 +67,8 @@ _RETRYABLE_CODES = frozenset(
     }
 )
 _PRESIGN_SECONDS = 3600
+_CHANGED = "the object changed during the load (its ETag or size is not the header's)"
+_LIST_PAGE_BYTES = 1 << 20  # a ListObjectsV2 page's size bound, for its attempt deadline
 _GONE_CODES = frozenset(
     {"NoSuchKey", "NoSuchBucket", "AccessDenied", "NotFound", "Forbidden", "NoCredentials"}
 )
@@ -104,11 +120,22 @@ class _Fatal(Exception):
         self.reason, self.status, self.code = reason, status, code
 
 
-def _classify_status(status: int | None, code: str | None) -> _Retry | _Fatal:
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+_REDIRECT_CODES = frozenset({"PermanentRedirect", "TemporaryRedirect", "Redirect"})
+
+
+def _classify_status(
+    status: int | None, code: str | None, elsewhere: Mapping[str, str | None] | None = None
+) -> _Retry | _Fatal:
+    if status in _REDIRECTS or code in _REDIRECT_CODES:
+        hints = {k: v for k, v in (elsewhere or {}).items() if v}
+        where = ", ".join(f"{k} {v}" for k, v in hints.items()) or "another region or endpoint"
+        reason = f"the bucket is elsewhere ({where}): set S3Config.region / endpoint_url to it"
+        return _Fatal(reason, status, code)
     if status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES or (status or 0) >= 500:
         return _Retry("the server asked to retry", status, code)
     if status == 412 or code == "PreconditionFailed":
-        return _Fatal("the object changed during the load (its ETag no longer matches)", status, code)
+        return _Fatal(_CHANGED, status, code)
     if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
         what = "bucket" if code == "NoSuchBucket" else "object"
         return _Fatal(f"no such {what}", status, code)
@@ -133,16 +160,28 @@ def _classify(exc: Exception) -> _Retry | _Fatal:
     if isinstance(exc, (_Retry, _Fatal)):
         return exc
     if isinstance(exc, HttpFailure):
-        return _classify_status(exc.status, exc.code)
+        elsewhere = {
+            "region": exc.headers.get("x-amz-bucket-region") or exc.fields.get("Region"),
+            "endpoint": exc.fields.get("Endpoint"),
+        }
+        return _classify_status(exc.status, exc.code, elsewhere)
+    if isinstance(exc, ProtocolViolation):
+        return _Fatal(str(exc)) if exc.fatal else _Retry(str(exc))
+    if isinstance(exc, SizeChanged):
+        return _Fatal(f"{_CHANGED}: {exc}")
     if isinstance(exc, ProxyError):
         return _classify_proxy(exc.status, str(exc))
     if isinstance(exc, UnsupportedProxy):
         return _Fatal(str(exc))
     if isinstance(exc, be.ClientError):
         response: Mapping[str, Any] = exc.response
-        return _classify_status(
-            response.get("ResponseMetadata", {}).get("HTTPStatusCode"), response.get("Error", {}).get("Code")
-        )
+        error = response.get("Error", {})
+        meta = response.get("ResponseMetadata", {})
+        elsewhere = {
+            "region": meta.get("HTTPHeaders", {}).get("x-amz-bucket-region") or error.get("Region"),
+            "endpoint": error.get("Endpoint"),
+        }
+        return _classify_status(meta.get("HTTPStatusCode"), error.get("Code"), elsewhere)
     if isinstance(exc, (be.NoCredentialsError, be.PartialCredentialsError)):
         return _Fatal(
             "no usable credentials (set them, or use anonymous access for public buckets)",
@@ -165,20 +204,27 @@ def _classify(exc: Exception) -> _Retry | _Fatal:
     return _Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
 
 
-def _content_range(response: Mapping[str, Any]) -> tuple[int, int, int] | None:
-    """``(first, last, size)`` of a ``Content-Range: bytes first-last/size`` header, if any."""
-    text = response.get("ContentRange")
-    if not text:
+def _check_encoding(response: Mapping[str, Any]) -> None:
+    encoding = (response.get("ContentEncoding") or "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise _Fatal(f"the server encoded the body (Content-Encoding: {encoding[:40]})")
+
+
+def _etag(text: str | None) -> str | None:
+    """An ETag compared as S3 means it: quotes and a weak ``W/`` prefix do not make it another."""
+    if text is None:
         return None
-    try:
-        unit, _, rest = text.partition(" ")
-        span, _, total = rest.partition("/")
-        first, _, last = span.partition("-")
-        if unit != "bytes":
-            return None
-        return int(first), int(last), int(total)
-    except ValueError:
+    value = text.strip().removeprefix("W/").strip().strip('"')
+    return value or None
+
+
+def _if_match(etag: str | None) -> str | None:
+    """The ``If-Match`` for an ETag: quoted; none for a weak one, which If-Match never matches
+    (RFC 9110 compares strongly), so that only the returned ETag is compared."""
+    value = _etag(etag)
+    if value is None or etag is None or etag.strip().startswith("W/"):
         return None
+    return f'"{value}"'
 
 
 class _Redactor(logging.Filter):
@@ -377,48 +423,94 @@ class S3Client:
 
     # --- requests (coroutines: run them on the loop) ---------------------------------------
 
+    def attempt_seconds(self, nbytes: int) -> float:
+        """How long one try for ``nbytes`` may take: the allowance, plus the bytes at the minimum rate."""
+        return self.config.attempt_allowance + nbytes / self.config.min_rate
+
     async def retrying(
         self,
         uri: S3Uri,
         byte_range: tuple[int, int] | None,
-        once: Callable[[], Awaitable[T]],
+        once: Callable[[], Coroutine[Any, Any, T]],
         *,
+        nbytes: int,
         source_errors: bool = False,
+        until: float | None = None,
     ) -> T:
         """Runs ``once`` until it succeeds, fails for good, or runs out of tries or time.
 
+        Each try is cut after ``attempt_seconds(nbytes)`` (a trickling server is a stall too);
+        ``until`` (a ``time.monotonic()`` instant) cuts a try in flight and starts none after it.
         ``source_errors``: a missing or forbidden object raises ``S3SourceError`` (the source does
-        not resolve) rather than ``S3Error`` (it went away during the load).
+        not resolve) rather than ``S3Error`` (it went away during the load). The error is raised
+        outside any ``except`` block: its ``__context__`` holds nothing of the failed request.
         """
         c = self.config
         started = time.monotonic()
         attempts = 0
         while True:
             attempts += 1
+            budget = self.attempt_seconds(nbytes)
+            cut_by_deadline = until is not None and until - time.monotonic() < budget
+            if until is not None:
+                budget = min(budget, until - time.monotonic())
+            failure: _Retry | _Fatal
+            tried = time.monotonic()
             try:
-                return await once()
+                if budget <= 0:
+                    raise TimeoutError
+                return await bounded(once(), budget)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                kind = _classify(exc)
-                where: dict[str, Any] = {
-                    "bucket": uri.bucket,
-                    "key": uri.key,
-                    "byte_range": byte_range,
-                    "status": kind.status,
-                    "code": kind.code,
-                    "attempts": attempts,
-                }
-                if isinstance(kind, _Fatal):
-                    gone = source_errors and (kind.status in (403, 404, 407) or kind.code in _GONE_CODES)
-                    raise (S3SourceError if gone else S3Error)(kind.reason, **where) from None
-                delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
-                out_of_time = time.monotonic() - started + delay > c.retry_deadline
-                if attempts >= c.max_attempts or out_of_time:
+                failure = _classify(exc)
+                if isinstance(exc, TimeoutError) and time.monotonic() - tried >= budget:
+                    if cut_by_deadline:
+                        failure = _Fatal(f"the load deadline of {c.load_deadline:g} s passed")
+                    else:
+                        failure = _Retry(f"the try ran past its {budget:.3g} s (S3Config.min_rate)")
+            where: dict[str, Any] = {
+                "bucket": uri.bucket,
+                "key": uri.key,
+                "byte_range": byte_range,
+                "status": failure.status,
+                "code": failure.code,
+                "attempts": attempts,
+            }
+            if isinstance(failure, _Fatal):
+                gone = source_errors and (
+                    failure.status in (403, 404, 407, *_REDIRECTS)
+                    or failure.code in _GONE_CODES | _REDIRECT_CODES
+                )
+                raise (S3SourceError if gone else S3Error)(failure.reason, **where)
+            delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
+            out_of_time = time.monotonic() - started + delay > c.retry_deadline
+            past_until = until is not None and time.monotonic() + delay >= until
+            if attempts >= c.max_attempts or out_of_time or past_until:
+                if past_until:
+                    why = f"gave up at the load deadline of {c.load_deadline:g} s"
+                else:
                     why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
-                    raise S3Error(f"{why}: {kind.reason}", **where) from None
-                self.retries += 1
-                await asyncio.sleep(delay)
+                raise S3Error(f"{why}: {failure.reason}", **where)
+            self.retries += 1
+            await asyncio.sleep(delay)
+
+    def _check_etag(self, info: ObjectInfo, etag: str | None) -> bool:
+        """Refuses a response of another object version; True when the version is proved.
+
+        Without an ETag on both sides nothing proves it: an error, unless ``require_etag`` is off.
+        """
+        got, expected = _etag(etag), _etag(info.etag)
+        if got is not None and expected is not None:
+            if got != expected:
+                raise _Fatal(_CHANGED)
+            return True
+        if self.config.require_etag:
+            raise _Fatal(
+                "the server sent no ETag, so the object's version cannot be verified "
+                "(S3Config.require_etag=False accepts that risk)"
+            )
+        return False
 
     async def get_start(self, uri: S3Uri, length: int) -> tuple[bytes, ObjectInfo]:
         """Up to ``length`` bytes from the start of the object, with its size and ETag (one GET)."""
@@ -437,9 +529,26 @@ class S3Client:
                 raise
             body = response["Body"]
             try:
-                span = _content_range(response)
-                size = span[2] if span is not None else int(response["ContentLength"])
+                _check_encoding(response)
+                status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                span = content_range(response.get("ContentRange"))
+                if span is not None:
+                    size = span[2]
+                    if span[:2] != (0, min(length, size) - 1):
+                        raise _Retry(
+                            f"the server sent bytes {span[0]}-{span[1]}, not 0-{min(length, size) - 1}"
+                        )
+                elif status == 200:
+                    size = int(response["ContentLength"])
+                else:
+                    raise _Retry(f"an HTTP {status} without a valid Content-Range")
                 want = min(length, size)
+                length_given = response.get("ContentLength")  # none for a chunked body
+                if span is not None and length_given is not None and length_given != want:
+                    raise _Retry(f"a Content-Length of {length_given}, not {want}")
+                info = ObjectInfo(uri, size, response.get("ETag"))
+                if info.etag is None and self.config.require_etag:
+                    self._check_etag(info, None)
                 data = bytearray()
                 while len(data) < want:
                     chunk = await body.read(want - len(data))
@@ -449,9 +558,9 @@ class S3Client:
             finally:
                 body.close()
             self.bytes_fetched += len(data)
-            return bytes(data), ObjectInfo(uri, size, response.get("ETag"))
+            return bytes(data), info
 
-        return await self.retrying(uri, (0, length), once, source_errors=True)
+        return await self.retrying(uri, (0, length), once, nbytes=length, source_errors=True)
 
     async def get_bytes(
         self, info: ObjectInfo, begin: int, end: int, *, source_errors: bool = False
@@ -464,7 +573,8 @@ class S3Client:
     async def read_into(
         self, info: ObjectInfo, begin: int, end: int, view: memoryview, *, source_errors: bool = False
     ) -> None:
-        """Writes bytes ``[begin, end)`` of the object into ``view``; a retry asks only for the rest."""
+        """Writes bytes ``[begin, end)`` of the object into ``view``; a retry asks only for the bytes
+        no verified response delivered."""
         uri = info.uri
         done = 0
         total = end - begin
@@ -472,34 +582,42 @@ class S3Client:
         async def once() -> None:
             nonlocal done
             start = begin + done
-            options: dict[str, Any] = {"IfMatch": info.etag} if info.etag else {}
+            condition = _if_match(info.etag)
+            options: dict[str, Any] = {"IfMatch": condition} if condition else {}
             self.requests += 1
             response = await self._client.get_object(
                 Bucket=uri.bucket, Key=uri.key, Range=f"bytes={start}-{end - 1}", **options
             )
             body = response["Body"]
+            received = 0
+            trusted = False
             try:
-                span = _content_range(response)
-                etag = response.get("ETag")
-                changed = (info.etag and etag and etag != info.etag) or (span and span[2] != info.size)
-                if changed:
-                    raise _Fatal("the object changed during the load (its ETag or size is not the header's)")
+                _check_encoding(response)
+                span = content_range(response.get("ContentRange"))
+                if span is not None and span[2] != info.size:
+                    raise _Fatal(_CHANGED)
                 if span is None and not (start == 0 and end == info.size):
-                    raise _Retry("the server ignored the byte range")
-                if span is not None and span[0] != start:
-                    raise _Retry(f"the server sent bytes from {span[0]}, not {start}")
-                while done < total:
-                    chunk = await body.read(total - done)
+                    raise _Retry("the server ignored the byte range, or sent no valid Content-Range")
+                if span is not None and span[:2] != (start, end - 1):
+                    raise _Retry(f"the server sent bytes {span[0]}-{span[1]}, not {start}-{end - 1}")
+                length_given = response.get("ContentLength")  # none for a chunked body
+                if length_given is not None and length_given != total - done:
+                    raise _Retry(f"a Content-Length of {length_given}, not {total - done}")
+                trusted = self._check_etag(info, response.get("ETag"))
+                while done + received < total:
+                    chunk = await body.read(total - done - received)
                     if not chunk:
-                        raise _Retry(f"short body: the response ended {total - done} bytes early")
+                        raise _Retry(f"short body: the response ended {total - done - received} bytes early")
                     n = len(chunk)
-                    view[done : done + n] = chunk
-                    done += n
+                    view[done + received : done + received + n] = chunk
+                    received += n
                     self.bytes_fetched += n
             finally:
                 body.close()
+                if trusted or done + received == total:
+                    done += received
 
-        await self.retrying(uri, (begin, end), once, source_errors=source_errors)
+        await self.retrying(uri, (begin, end), once, nbytes=total, source_errors=source_errors)
 
     def connection(self) -> Connection:
         """A connection for ``fetch_into`` (one per worker; the caller closes it)."""
@@ -523,28 +641,37 @@ class S3Client:
         return cached[0]
 
     async def fetch_into(
-        self, connection: Connection, info: ObjectInfo, begin: int, end: int, view: memoryview
+        self,
+        connection: Connection,
+        info: ObjectInfo,
+        begin: int,
+        end: int,
+        view: memoryview,
+        *,
+        until: float | None = None,
     ) -> None:
         """``read_into`` on the fast path: the body is received straight into ``view``."""
         uri = info.uri
         done = 0
-        headers = {"If-Match": info.etag} if info.etag else {}
+        condition = _if_match(info.etag)
+        headers = {"If-Match": condition} if condition else {}
+
+        def verify(response_headers: Mapping[str, str]) -> bool:
+            return self._check_etag(info, response_headers.get("etag"))
 
         async def once() -> None:
             nonlocal done
             target = await self._target(uri)
             self.requests += 1
             try:
-                await connection.get(target, begin + done, view[done:], headers)
+                await connection.get(
+                    target, begin + done, view[done:], headers, size=info.size, verify=verify
+                )
             finally:
                 done += connection.received
                 self.bytes_fetched += connection.received
-            etag = connection.headers.get("etag")
-            span = _content_range({"ContentRange": connection.headers.get("content-range")})
-            if (info.etag and etag and etag != info.etag) or (span is not None and span[2] != info.size):
-                raise _Fatal("the object changed during the load (its ETag or size is not the header's)")
 
-        await self.retrying(uri, (begin, end), once)
+        await self.retrying(uri, (begin, end), once, nbytes=end - begin, until=until)
 
     async def get_object(self, uri: S3Uri) -> bytes:
         """A whole (small) object, e.g. an index file."""
@@ -554,11 +681,16 @@ class S3Client:
         return data
 
     async def list_keys(self, bucket: str, prefix: str) -> list[str]:
-        """Keys directly under ``prefix`` (not in sub-"directories"), sorted."""
+        """Keys directly under ``prefix`` (not in sub-"directories"), sorted.
+
+        A continuation token seen before, or more than ``max_list_pages`` pages, is an error: a
+        server that answers ``IsTruncated`` for ever must not keep the open running for ever.
+        """
         keys: list[str] = []
         token: str | None = None
+        seen: set[str] = set()
         uri = S3Uri(bucket, prefix)
-        while True:
+        for _ in range(self.config.max_list_pages):
             options: dict[str, Any] = {"ContinuationToken": token} if token else {}
 
             async def once(options: dict[str, Any] = options) -> dict[str, Any]:
@@ -568,11 +700,21 @@ class S3Client:
                 )
                 return result
 
-            page = await self.retrying(uri, None, once, source_errors=True)
+            page = await self.retrying(uri, None, once, nbytes=_LIST_PAGE_BYTES, source_errors=True)
             keys.extend(item["Key"] for item in page.get("Contents", []))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return sorted(keys)
+            if token in seen:
+                raise S3SourceError(
+                    "the listing repeats a continuation token: it would never end", bucket=bucket, key=prefix
+                )
+            seen.add(token)
+        raise S3SourceError(
+            f"the listing has more than {self.config.max_list_pages} pages (S3Config.max_list_pages)",
+            bucket=bucket,
+            key=prefix,
+        )
 
 
 class ClientHolder:
@@ -613,6 +755,8 @@ class S3Feeder:
         self._queue: asyncio.Queue[native.Block] | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._closed = False
+        deadline = client.config.load_deadline
+        self._until = None if deadline is None else time.monotonic() + deadline
         client.call(self._start(client.config.concurrency))
 
     async def _start(self, concurrency: int) -> None:
@@ -649,7 +793,7 @@ class S3Feeder:
             begin, end = block.acc_begin, block.acc_end
             view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
             try:
-                await self._client.fetch_into(connection, info, begin, end, view)
+                await self._client.fetch_into(connection, info, begin, end, view, until=self._until)
             except S3Error as error:
                 self._fail(error, block)
                 continue
