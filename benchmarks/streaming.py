@@ -7,8 +7,9 @@ bytes under ``--dir``. Each run is a fresh process that streams it cold (page ca
 posix_fadvise and verified empty with mincore) with ``for name, t in handle`` dropping every
 tensor, and reports GB/s, peak RSS (VmHWM, reset after start-up), minor faults, CPU seconds,
 the budget in force and every warning; it checks slices of every tensor byte for byte.
-Settings run in interleaved rounds; the summary gives each setting's median and the per-round
-ratio of the first setting to the last with a bootstrap 95% interval.
+Settings run in interleaved rounds; the summary gives each setting's median and the median of
+the per-round ratios of the first setting to the last with its bootstrap 95% interval
+(``streamer.bench.stats``: at least 5 rounds for an interval).
 
     python benchmarks/streaming.py --dir /var/tmp/streaming --json streaming.json   # 28 GiB, 5 rounds
     python benchmarks/streaming.py --dir /tmp/s --size 2GiB --tensor 256MiB --big 512MiB --rounds 2
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
 import statistics
 import subprocess
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from streamer import pagecache
+from streamer.bench import stats
 from streamer.config import parse_size
 
 MiB = 1 << 20
@@ -213,13 +214,6 @@ def run_once(
     return result
 
 
-def bootstrap(ratios: list[float], resamples: int = 10_000) -> tuple[float, float]:
-    """95% interval of the mean ratio, resampling rounds (seeded: reruns print the same)."""
-    rng = random.Random(18)
-    means = sorted(statistics.fmean(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
-
-
 def summarize(runs: list[dict[str, Any]], settings: list[str]) -> dict[str, Any]:
     by_setting = {s: [r for r in runs if r["setting"] == s] for s in settings}
     summary: dict[str, Any] = {"settings": {}}
@@ -240,10 +234,14 @@ def summarize(runs: list[dict[str, Any]], settings: list[str]) -> dict[str, Any]
             "wrong_samples": sum(len(r["wrong_samples"]) for r in results),
         }
     first, last = settings[0], settings[-1]
+    # Same bytes in every run, so seconds per round are proportional to 1 / GB/s.
+    paired = stats.compare(
+        {r["round"]: 1 / r["gb_per_s"] for r in by_setting[first]},
+        {r["round"]: 1 / r["gb_per_s"] for r in by_setting[last]},
+    )
     ratios = [a["gb_per_s"] / b["gb_per_s"] for a, b in zip(by_setting[first], by_setting[last], strict=True)]
-    low, high = bootstrap(ratios)
-    summary["ratio"] = {"of": first, "to": last, "per_round": ratios, "mean": statistics.fmean(ratios),
-                        "ci95": [low, high]}  # fmt: skip
+    summary["ratio"] = {"of": first, "to": last, "per_round": ratios, "median": paired.ratio,
+                        "ci95": [paired.low, paired.high], "verdict": paired.verdict}  # fmt: skip
     judged = summary["settings"][first]
     limit = judged["memory_limit"]
     summary["checks"] = {
@@ -251,7 +249,7 @@ def summarize(runs: list[dict[str, Any]], settings: list[str]) -> dict[str, Any]
         "bit_exact_samples": all(s["wrong_samples"] == 0 for s in summary["settings"].values()),
         "peak_rss_within_budget_plus_256MiB": limit is not None
         and judged["peak_rss_growth_max"] <= limit + RSS_ALLOWANCE,
-        "throughput_at_least_0.9x": statistics.fmean(ratios) >= 0.9,
+        "throughput_at_least_0.9x": paired.ratio is not None and paired.ratio >= 0.9,
     }
     return summary
 
@@ -269,9 +267,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         )
     ratio = summary["ratio"]
     per_round = ", ".join(f"{r:.3f}" for r in ratio["per_round"])
+    low, high = ratio["ci95"]
+    interval = f"bootstrap 95% [{low:.3f}, {high:.3f}]" if low is not None else "no interval"
     print(
-        f"{ratio['of']} / {ratio['to']}: mean {ratio['mean']:.3f}, bootstrap 95% "
-        f"[{ratio['ci95'][0]:.3f}, {ratio['ci95'][1]:.3f}] over rounds ({per_round})"
+        f"{ratio['of']} / {ratio['to']} GB/s: median {ratio['median']:.3f}, {interval} ({ratio['verdict']}) "
+        f"over rounds ({per_round})"
     )
     for check, passed in summary["checks"].items():
         print(f"{'PASS' if passed else 'FAIL'} {check}")

@@ -146,11 +146,11 @@ class S3Config:
     header_bytes: int = 1 << 20
     min_rate: int = field(
         default_factory=lambda: parse_size(
-            os.environ.get("STREAMER_S3_MIN_RATE") or "16KiB", name="STREAMER_S3_MIN_RATE"
+            os.environ.get("STREAMER_S3_MIN_RATE") or "64KiB", name="STREAMER_S3_MIN_RATE"
         )
     )
     attempt_allowance: float = field(
-        default_factory=lambda: _env_float("STREAMER_S3_ATTEMPT_ALLOWANCE", 60.0)
+        default_factory=lambda: _env_float("STREAMER_S3_ATTEMPT_ALLOWANCE", 20.0)
     )
     load_deadline: float | None = field(default_factory=lambda: _env_seconds("STREAMER_S3_LOAD_DEADLINE"))
     require_etag: bool = field(default_factory=lambda: _env_int("STREAMER_S3_REQUIRE_ETAG", 1) != 0)

@@ -554,7 +554,7 @@ def test_the_suite_covers_the_matrix() -> None:
 
 def test_deadline_and_etag_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = S3Config()
-    assert (defaults.min_rate, defaults.attempt_allowance, defaults.load_deadline) == (16 * KiB, 60.0, None)
+    assert (defaults.min_rate, defaults.attempt_allowance, defaults.load_deadline) == (64 * KiB, 20.0, None)
     assert defaults.require_etag
     monkeypatch.setenv("STREAMER_S3_MIN_RATE", "1MiB")
     monkeypatch.setenv("STREAMER_S3_ATTEMPT_ALLOWANCE", "5")
