@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--concurrency", default="4,16,32,64", help="swept for every loader that has it")
     parser.add_argument("--endpoints", default="shaped,unshaped")
+    parser.add_argument("--loaders", default="streamer,runai,safetensors,boto3")
     parser.add_argument("--clock", choices=("load", "process"), default="load")
     parser.add_argument("--keep", type=Path, help="generate the checkpoint here (reused next time)")
     parser.add_argument("--start-servers", action="store_true")
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             "--upload", f"s3://{BUCKET}/ckpt-{args.size}-{args.shards}/",
             "--repeat", str(args.repeat),
             "--sweep", f"concurrency={args.concurrency}",
-            "--loaders", "streamer,runai,safetensors,boto3",
+            "--loaders", args.loaders,
             "--clock", args.clock,
         ]  # fmt: skip
         if args.keep is not None:
