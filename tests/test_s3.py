@@ -617,3 +617,24 @@ def test_safetensors_reference_matches_upload(s3: Any, single: Written, tmp_path
     s3.download_file(BUCKET, f"single/{single.shards[0].name}", str(path))
     assert path.read_bytes() == single.shards[0].read_bytes()
     assert_same_dict(safetensors.torch.load_file(str(path)), single.tensors)
+
+
+@pytest.mark.parametrize(
+    ("settings", "says"),
+    [
+        ({"profile": "no-such-profile-streamer-test"}, "ProfileNotFound"),
+        ({"endpoint_url": "http://[::1"}, "Invalid IPv6 URL"),
+    ],
+)
+def test_a_client_botocore_will_not_make_is_a_config_error(
+    settings: dict[str, Any], says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bad client settings are the user's to fix: a ConfigError naming the endpoint, nothing of
+    botocore's on the exception chain, and the loop thread gone."""
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    threads = threading.active_count()
+    with pytest.raises(streamer.ConfigError, match=says) as caught:
+        streamer.open("s3://bucket/model.safetensors", config=StreamerConfig(s3=S3Config(**settings)))
+    assert "S3 client for" in str(caught.value)
+    assert caught.value.__context__ is None and caught.value.__cause__ is None
+    assert threading.active_count() == threads

@@ -48,7 +48,7 @@ from streamer.backends.http import (
 )
 from streamer.config import S3Config
 from streamer.engine import native
-from streamer.errors import S3Error, S3SourceError, SourceError
+from streamer.errors import ConfigError, S3Error, S3SourceError, SourceError
 
 T = TypeVar("T")
 
@@ -306,6 +306,17 @@ def _data_loader() -> Any:
     return get_session().get_component("data_loader")
 
 
+def _refused_config(exc: Exception, config: S3Config) -> ConfigError | None:
+    """The typed error for a client botocore will not make from ``config`` (an unknown profile,
+    a malformed endpoint URL, ...); None for anything else."""
+    import botocore.exceptions as be
+
+    if not isinstance(exc, (be.BotoCoreError, ValueError)):
+        return None
+    where = f"endpoint {config.endpoint_url!r}" if config.endpoint_url else "the AWS default endpoint"
+    return ConfigError(f"cannot make an S3 client for {where}: {type(exc).__name__}: {exc}")
+
+
 class S3Client:
     """An aiobotocore S3 client on a private event loop thread. Use as a context manager or ``close()``."""
 
@@ -329,11 +340,19 @@ class S3Client:
             if secret and not config.anonymous
         ]
         _REDACTOR.add(self._secrets)
+        refused: ConfigError | None = None
         try:
             self.call(self._open(pool if pool is not None else config.concurrency))
+        except Exception as exc:
+            self.close()
+            refused = _refused_config(exc, config)
+            if refused is None:
+                raise
         except BaseException:
             self.close()
             raise
+        if refused is not None:
+            raise refused  # outside the except block: nothing of botocore's on the chain
 
     def __enter__(self) -> S3Client:
         return self
@@ -375,7 +394,7 @@ class S3Client:
                 "aws_session_token": c.session_token,
             }
         verify: bool | str = c.ca_bundle if c.ca_bundle and c.verify else c.verify
-        self._context = session.create_client(
+        context = session.create_client(
             "s3",
             endpoint_url=c.endpoint_url,
             region_name=c.region,
@@ -383,7 +402,8 @@ class S3Client:
             config=AioConfig(**options),
             **credentials,
         )
-        self._client = await self._context.__aenter__()
+        self._client = await context.__aenter__()
+        self._context = context  # only an entered context has a client for close() to exit
         if not credentials and not c.anonymous:
             await self._redact_resolved_credentials(session)
 
