@@ -31,6 +31,7 @@ class LoadMetrics:
     ring_stalls: int = 0  # staged loads: times a read could not start because every slot was busy
     copies: int = 0  # staged loads: copies out of the ring
     s3_files: int = 0  # files read from S3 (the others count as direct or buffered)
+    prefault_bytes: int = 0  # CPU loads from S3: fresh buffer bytes faulted in ahead of the data
     engine: dict[str, float] = field(default_factory=dict)
     _started: float = 0.0
 
@@ -96,6 +97,7 @@ class LoadMetrics:
             "read_s": self.engine.get("read_seconds", 0.0),
             "worker_idle_s": self.engine.get("idle_seconds", 0.0),
             "s3_files": self.s3_files,
+            "prefault_bytes": self.prefault_bytes,
             "requests": int(self.engine.get("requests", 0)),  # S3 requests, retries included
             "retries": int(self.engine.get("retries", 0)),  # S3 tries that failed and were retried
         }

@@ -19,7 +19,7 @@ import torch
 
 from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
-from streamer.destinations.cpu import BufferPool, MemoryBudget, empty_tensor, tensor_view
+from streamer.destinations.cpu import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
 from streamer.errors import ReadError, SourceError, StreamerError
 from streamer.memory import streaming_budget
@@ -68,6 +68,10 @@ class LoadRun:
                 self._segment_of_unit[unit] = index
         self._budget = MemoryBudget(budget.limit)
         self._pool = BufferPool(self._budget, hugepages=config.hugepages)
+        # One thread (the S3 event loop) receives every byte of an S3 object: fault its fresh
+        # buffers in elsewhere, ahead of the bytes (see Prefaulter).
+        reads_s3 = any(checkpoint.object_of(file) is not None for file in self._files)
+        self._prefaulter = Prefaulter() if reads_s3 else None
         # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
         self._common_capacity = (
             0
@@ -98,6 +102,10 @@ class LoadRun:
             engine.close()
             self.metrics.buffers_reused = self._pool.reused
             self.metrics.finish(self._budget.peak)
+        prefaulter, self._prefaulter = self._prefaulter, None
+        if prefaulter is not None:
+            prefaulter.close()
+            self.metrics.prefault_bytes = prefaulter.submitted
         self._buffers.clear()
         self._pool.close()
 
@@ -190,6 +198,8 @@ class LoadRun:
             self._budget.release(charge)
             raise
         self.metrics.add_alloc(time.perf_counter() - allocated)
+        if self._prefaulter is not None:
+            self._prefaulter.submit(buffer[1], capacity)
         return buffer
 
     def _warn_if_over_limit(self, segment: Segment, charge: int) -> None:

@@ -588,3 +588,26 @@ def test_a_consumer_that_drops_each_tensor_gets_one_tensor_at_a_time(tmp_path: P
                 metrics = s.metrics
         assert metrics["peak_buffer_bytes"] <= size, metrics
         assert metrics["buffers_reused"] == len(tensors) - 1, metrics
+
+
+def test_prefaulting_never_changes_bytes_written_beside_it() -> None:
+    """The Prefaulter runs while the S3 loop writes into the same buffer: every byte survives,
+    and close() with chunks still queued returns without running them."""
+    from streamer.destinations.cpu import MemoryBudget, Prefaulter, allocate_buffer
+
+    size = 48 << 20
+    buffer, address = allocate_buffer(size, hugepages=False, budget=MemoryBudget(None))
+    pattern = torch.arange(size, dtype=torch.int64).to(torch.uint8)
+    prefaulter = Prefaulter()
+    writer = threading.Thread(target=lambda: buffer.copy_(pattern))  # releases the GIL while copying
+    writer.start()
+    prefaulter.submit(address, size)
+    writer.join()
+    prefaulter.close()
+    assert torch.equal(buffer, pattern)
+    assert prefaulter.submitted == size
+
+    idle = Prefaulter()
+    idle.submit(address, size)
+    idle.close()  # drops what is queued, waits for at most one chunk
+    assert torch.equal(buffer, pattern)

@@ -166,6 +166,18 @@ def test_single_object_load_file_open_get_tensor(s3_server: str, single: Written
     assert metrics["bytes_read"] == single.nbytes
 
 
+def test_fresh_buffers_are_faulted_in_ahead_of_s3_bytes_only(s3_server: str, single: Written) -> None:
+    """One thread receives every S3 byte, so its fresh buffers are faulted in elsewhere first
+    (never changing a byte); local files are read by many threads and are not."""
+    expected = reference_load(single.shards)
+    with streamer.open(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(s3_server)) as handle:
+        assert_same_dict(dict(iter(handle)), expected)
+        assert handle.metrics["prefault_bytes"] >= single.nbytes
+    with streamer.open(single.shards[0], config=cfg(s3_server)) as handle:
+        assert_same_dict(dict(iter(handle)), expected)
+        assert handle.metrics["prefault_bytes"] == 0
+
+
 def test_open_streams_under_a_memory_limit(s3_server: str, every_dtype: Written) -> None:
     limit = 256 * KiB
     config = cfg(s3_server, memory_limit=limit)

@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped on every change to a struct layout, a signature or a constant below. The binding
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
-#define SE_ABI_VERSION 2
+#define SE_ABI_VERSION 3
 
 /* Status codes: 0 is success, every failure is negative. */
 #define SE_OK 0
@@ -153,6 +153,14 @@ void se_engine_destroy(se_engine *engine);
  */
 void *se_alloc(size_t size, int32_t hugepage);
 void se_free(void *ptr, size_t size, int32_t hugepage);
+
+/*
+ * Faults [ptr, ptr + size) of memory from se_alloc() in, writable, without writing to it
+ * (MADV_POPULATE_WRITE): safe while other threads write into the same range, whose bytes it never
+ * changes. Returns SE_OK, or SE_ERR_INVALID with *sys_errno set when the kernel cannot (EINVAL:
+ * older than Linux 5.14) or the range is not mapped.
+ */
+int32_t se_populate(void *ptr, size_t size, int32_t *sys_errno);
 
 /* How many bytes of [offset, offset + length) of the file are in the page cache (mincore); the
  * range is clipped to the file (length UINT64_MAX: to its end) and *total gets the clipped

@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include "streamer_engine.h"
 
+#include <errno.h>
 #include <stdint.h>
 #include <sys/mman.h>
 
@@ -47,4 +48,20 @@ void se_free(void *ptr, size_t size, int32_t hugepage) {
         size = 1;
     }
     (void)munmap(ptr, hugepage ? round_up(size, HUGE_PAGE) : size);
+}
+
+int32_t se_populate(void *ptr, size_t size, int32_t *sys_errno) {
+    *sys_errno = 0;
+    if (ptr == NULL || size == 0) {
+        return SE_OK;
+    }
+#ifdef MADV_POPULATE_WRITE
+    if (madvise(ptr, size, MADV_POPULATE_WRITE) == 0) {
+        return SE_OK;
+    }
+    *sys_errno = errno;
+#else
+    *sys_errno = EINVAL;
+#endif
+    return SE_ERR_INVALID;
 }

@@ -819,6 +819,48 @@ static void test_memory_and_residency(void) {
 /* 9b. A sampled residency count equals the exact one when the cached part is whole windows:
  * the second half of an 8 MiB file is evicted (where the filesystem lets it be), so every
  * other 1 MiB window is looked at and each stands for the one after it. */
+typedef struct pattern_writer {
+    unsigned char *p;
+    size_t size;
+} pattern_writer;
+
+static void *write_pattern_backwards(void *arg) {
+    const pattern_writer *w = arg;
+    for (size_t end = w->size; end > 0;) {
+        size_t begin = end > 64 * KIB ? end - 64 * KIB : 0;
+        for (size_t i = begin; i < end; i++) {
+            w->p[i] = (unsigned char)(i * 13 + 1);
+        }
+        end = begin;
+    }
+    return NULL;
+}
+
+/* se_populate never changes a byte, even while another thread writes the same range. */
+static void test_populate_beside_writer(void) {
+    int32_t err = -1;
+    CHECK_EQ(se_populate(NULL, 0, &err), SE_OK);
+    CHECK_EQ(err, 0);
+    const size_t size = 16 * MIB + 4096;
+    for (int32_t huge = 0; huge <= 1; huge++) {
+        unsigned char *p = se_alloc(size, huge);
+        CHECK(p != NULL);
+        pattern_writer w = {p, size};
+        pthread_t writer;
+        CHECK_EQ(pthread_create(&writer, NULL, write_pattern_backwards, &w), 0);
+        for (size_t at = 0; at < size; at += MIB) {
+            int32_t status = se_populate(p + at, size - at < MIB ? size - at : MIB, &err);
+            CHECK(status == SE_OK || (status == SE_ERR_INVALID && err == EINVAL)); /* EINVAL: old kernel */
+        }
+        CHECK_EQ(pthread_join(writer, NULL), 0);
+        CHECK(se_populate(p, size, &err) == SE_OK || err == EINVAL);
+        for (size_t i = 0; i < size; i++) {
+            CHECK(p[i] == (unsigned char)(i * 13 + 1));
+        }
+        se_free(p, size, huge);
+    }
+}
+
 static void test_sampled_residency(void) {
     const uint64_t size = 8 * MIB;
     unsigned char *data = random_bytes(size, 12);
@@ -1142,6 +1184,7 @@ int main(void) {
     RUN(test_cancel);
     RUN(test_create_destroy);
     RUN(test_memory_and_residency);
+    RUN(test_populate_beside_writer);
     RUN(test_sampled_residency);
     RUN(test_ranged_residency);
     RUN(test_stats);

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -130,6 +131,39 @@ class BufferPool:
     def _unmap(self, pointer: Any, capacity: int, charge: int) -> None:
         native.free(pointer, capacity, self._hugepages)
         self._budget.release(charge)
+
+
+class Prefaulter:
+    """Faults fresh buffers in on a thread of its own, ahead of the bytes that will land in them.
+
+    Worth it where one thread receives every byte (the S3 event loop): first touch of fresh
+    memory (~260k page faults per GiB, about 40% of a 4 GiB S3 load on our VMs) then no longer
+    runs on that thread. Local reads fault in parallel on the engine's readers and gain nothing.
+    Populating never writes, so it is safe beside the receiver; a kernel that cannot do it
+    (before Linux 5.14) turns it off after the first try.
+    """
+
+    CHUNK = 64 << 20  # small enough that close() never waits long for the one in progress
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-prefault")
+        self._supported = True
+        self.submitted = 0  # bytes handed to the thread
+
+    def submit(self, address: int, size: int) -> None:
+        if not self._supported:
+            return
+        for start in range(0, size, self.CHUNK):
+            self._pool.submit(self._populate, address + start, min(self.CHUNK, size - start))
+        self.submitted += size
+
+    def _populate(self, address: int, size: int) -> None:
+        if self._supported and not native.populate(address, size):
+            self._supported = False
+
+    def close(self) -> None:
+        """Drops what is queued and waits for the chunk in progress."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _tensor_over(memory: Any, size: int) -> tuple[torch.Tensor, int]:

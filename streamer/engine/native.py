@@ -259,6 +259,13 @@ def free(pointer: Any, size: int, hugepages: bool) -> None:
     _lib().se_free(pointer, size, int(hugepages))
 
 
+def populate(address: int, size: int) -> bool:
+    """Faults ``size`` bytes at ``address`` in without writing them (safe beside writers);
+    False where the kernel cannot (older than Linux 5.14) or the range is not mapped."""
+    sys_errno = ffi.new("int32_t *")
+    return bool(_lib().se_populate(ffi.cast("void *", address), size, sys_errno) == OK)
+
+
 def own(pointer: Any, size: int, release: Callable[[Any], None]) -> Any:
     """``pointer`` behind an owner that calls ``release(pointer)`` when it (and every buffer over it) dies."""
     return ffi.gc(pointer, release, size=size)
