@@ -25,7 +25,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from streamer.config import StreamerConfig
+from streamer.config import S3Config, StreamerConfig
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -92,6 +92,32 @@ def s3_server() -> Iterator[str]:
         yield f"http://{host}:{port}"
     finally:
         srv.stop()
+
+
+def loopback_s3_config(
+    endpoint: str, credentials: tuple[str, str, str], **overrides: Any
+) -> S3Config:
+    """An ``S3Config`` for a test server on 127.0.0.1: path addressing, explicit credentials
+    (access key, secret, session token: sentinels the tests look for in errors), and timeouts
+    and backoffs small enough that failing cases end in seconds."""
+    access_key, secret_key, token = credentials
+    values: dict[str, Any] = {
+        "endpoint_url": endpoint,
+        "region": "us-east-1",
+        "addressing_style": "path",
+        "access_key_id": access_key,
+        "secret_access_key": secret_key,
+        "session_token": token,
+        "concurrency": 8,
+        "max_attempts": 5,
+        "retry_deadline": 30.0,
+        "connect_timeout": 2.0,
+        "read_timeout": 1.0,
+        "backoff_base": 0.01,
+        "backoff_max": 0.05,
+    }
+    values.update(overrides)
+    return S3Config(**values)
 
 
 def s3_client(endpoint: str, access_key: str, secret_key: str) -> Any:

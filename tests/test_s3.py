@@ -29,6 +29,7 @@ from conftest import (
     assert_same_dict,
     checkpoint_order,
     fd_count,
+    loopback_s3_config,
     open_files,
     random_tensor,
     reference_load,
@@ -109,23 +110,7 @@ def proxy(s3_server: str) -> Iterator[FaultProxy]:
 
 
 def s3_config(endpoint: str, **overrides: Any) -> S3Config:
-    values: dict[str, Any] = {
-        "endpoint_url": endpoint,
-        "region": "us-east-1",
-        "addressing_style": "path",
-        "access_key_id": ACCESS_KEY,
-        "secret_access_key": SECRET_KEY,
-        "session_token": TOKEN,
-        "concurrency": 8,
-        "max_attempts": 5,
-        "retry_deadline": 30.0,
-        "connect_timeout": 2.0,
-        "read_timeout": 1.0,
-        "backoff_base": 0.01,
-        "backoff_max": 0.05,
-    }
-    values.update(overrides)
-    return S3Config(**values)
+    return loopback_s3_config(endpoint, (ACCESS_KEY, SECRET_KEY, TOKEN), **overrides)
 
 
 def cfg(endpoint: str, *, block_size: int = 64 * KiB, memory_limit: int | None = None, **s3: Any) -> Any:

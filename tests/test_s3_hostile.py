@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from conftest import KiB, assert_same_dict, fd_count, open_files, thread_count
+from conftest import KiB, assert_same_dict, fd_count, loopback_s3_config, open_files, thread_count
 from hostile_s3 import Answer, Fault, HostileS3, Plan, Request, Version, error, reset, wait_for_hangup
 from tls_relay import TlsRelay
 
@@ -65,25 +65,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 
 def config(endpoint: str, **overrides: Any) -> StreamerConfig:
     values: dict[str, Any] = {
-        "endpoint_url": endpoint,
-        "region": "us-east-1",
-        "addressing_style": "path",
-        "access_key_id": ACCESS_KEY,
-        "secret_access_key": SECRET_KEY,
-        "session_token": TOKEN,
         "concurrency": 2,
         "max_attempts": 3,
         "retry_deadline": 20.0,
-        "connect_timeout": 2.0,
-        "read_timeout": 1.0,
-        "backoff_base": 0.01,
-        "backoff_max": 0.05,
         "attempt_allowance": 3.0,  # generous for a loaded machine: a healthy try takes milliseconds
         "min_rate": 1 << 20,
         "header_bytes": 4096,
     }
     values.update(overrides)
-    return StreamerConfig(concurrency=2, block_size=64 * KiB, s3=S3Config(**values))
+    s3 = loopback_s3_config(endpoint, (ACCESS_KEY, SECRET_KEY, TOKEN), **values)
+    return StreamerConfig(concurrency=2, block_size=64 * KiB, s3=s3)
 
 
 # --- faults -------------------------------------------------------------------------------------
