@@ -555,7 +555,7 @@ class Connection:
             protocol = None
         if protocol is None:
             proxy = Proxy.for_target(target)
-            protocol = await bounded(self._connect(target, proxy), self._connect_timeout)
+            protocol = await bounded(self._connect(target, proxy), self._connect_timeout, discard=_abort)
             self._protocol, self._where, self._proxy = protocol, where, proxy
         assert protocol is not None
         return protocol
@@ -587,11 +587,15 @@ class Connection:
             protocol.transport.abort()  # no lingering FIN_WAIT; nothing more is sent anyway
 
 
-async def bounded(coroutine: Coroutine[Any, Any, T], seconds: float) -> T:
+async def bounded(
+    coroutine: Coroutine[Any, Any, T], seconds: float, *, discard: Callable[[T], None] | None = None
+) -> T:
     """``coroutine``'s result, or ``TimeoutError`` after ``seconds`` (it is then cancelled).
 
     Unlike ``asyncio.wait_for`` on Python < 3.12, an exception the coroutine raises as the caller
-    is cancelled is still retrieved: no "Task exception was never retrieved" at shutdown.
+    is cancelled is still retrieved: no "Task exception was never retrieved" at shutdown. A result
+    that arrives as the caller is cancelled goes to ``discard`` (a connection that would else stay
+    open, unowned, for as long as the process lives).
     """
     task = asyncio.ensure_future(coroutine)
     interrupted = False
@@ -608,10 +612,18 @@ async def bounded(coroutine: Coroutine[Any, Any, T], seconds: float) -> T:
     if not task.cancelled():
         task.exception()
     if interrupted:
+        if discard is not None and not task.cancelled() and task.exception() is None:
+            discard(task.result())
         raise asyncio.CancelledError
     if task.cancelled():
         raise TimeoutError(f"no answer within {seconds:.3g} s")
     return task.result()
+
+
+def _abort(protocol: _Response) -> None:
+    """Closes a connection nobody will use."""
+    if protocol.transport is not None:
+        protocol.transport.abort()
 
 
 def _settle(done: asyncio.Future[None]) -> None:
