@@ -98,32 +98,21 @@ def test_wait_oldest_waits_for_the_piece_read_first() -> None:
     assert table.recycle() == [1]
 
 
-def test_a_failed_copy_names_its_piece_and_keeps_its_error() -> None:
+@pytest.mark.parametrize("check", ["recycle", "wait_oldest"])
+def test_a_failed_copy_names_its_piece_and_keeps_its_error(check: str) -> None:
     table = SlotTable(2)
     table.take(0)
-    table.filled(0)
-    table.copying(0, Ticket())
     table.take(1)
-    table.filled(1)
+    table.filled(1)  # read first: the oldest
     error = RuntimeError("copy failed")
     broken = Ticket(error)
     broken.finished = True
     table.copying(1, broken)
-    with pytest.raises(CopyFailed) as info:
-        table.recycle()
-    assert info.value.piece == 1
-    assert info.value.__cause__ is error
-
-
-def test_waiting_on_a_failed_copy_names_its_piece_and_keeps_its_error() -> None:
-    table = SlotTable(1)
-    table.take(0)
     table.filled(0)
-    error = RuntimeError("copy failed")
-    table.copying(0, Ticket(error))
+    table.copying(0, Ticket())
     with pytest.raises(CopyFailed) as info:
-        table.wait_oldest()
-    assert info.value.piece == 0
+        getattr(table, check)()
+    assert info.value.piece == 1
     assert info.value.__cause__ is error
 
 
