@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import threading
@@ -19,13 +20,12 @@ from streamer.destinations import copy_engine, parse_device
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.errors import ConfigError, SourceError, StreamerError
-from streamer.pipeline import LoadRun
-from streamer.planner import Span
+from streamer.run.cpu import CpuSink
+from streamer.run.driver import Run
+from streamer.run.staged import StagedSink, Staging
 from streamer.sources import SourceLike
-from streamer.staging import StagedRun
 
 Order = Literal["completion", "checkpoint"]
-Run = LoadRun | StagedRun
 
 
 class _Iteration:
@@ -175,18 +175,11 @@ class Streamer:
         engine = copy_engine.staged_engine(self.device)
         if engine is None:
             config = dataclasses.replace(self.config, memory_limit=UNLIMITED) if keep_all else self.config
-            return LoadRun(self._checkpoint, refs, config, ordered=ordered)
-        device = self.device
-        return StagedRun(
-            self._checkpoint,
-            refs,
-            self.config,
-            ordered=ordered,
-            device=device,
-            copy_engine=engine,
-            destination_for=lambda regions, spans, loaded: NewMemory(device, regions),
-            rings=self._rings,
-        )
+            cpu = functools.partial(CpuSink, self._checkpoint, config)
+            return Run(self._checkpoint, refs, config, cpu, ordered=ordered)
+        staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
+        staged = functools.partial(StagedSink, staging, self.config)
+        return Run(self._checkpoint, refs, self.config, staged, ordered=ordered)
 
     def _stop(self) -> None:
         iteration = self._iteration() if self._iteration is not None else None
@@ -328,21 +321,7 @@ def _fill(
     """Loads the tensors of one device; zero-size ones have nothing to read."""
     refs = [checkpoint.tensors[name] for name in dest if checkpoint.tensors[name].entry.nbytes > 0]
     engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
-
-    def existing(
-        regions: Sequence[Span], spans: Sequence[Span], loaded: Sequence[TensorRef]
-    ) -> ExistingTensors:
-        return ExistingTensors(spans, [dest[ref.entry.name] for ref in loaded])
-
-    run = StagedRun(
-        checkpoint,
-        refs,
-        config,
-        ordered=False,
-        device=device,
-        copy_engine=engine,
-        destination_for=existing,
-        rings=rings,
-    )
-    for _ in run.results():
+    staging = Staging(device, engine, functools.partial(ExistingTensors, dest), rings)
+    staged = functools.partial(StagedSink, staging, config)
+    for _ in Run(checkpoint, refs, config, staged, ordered=False).results():
         pass

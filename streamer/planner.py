@@ -22,7 +22,7 @@ class Segment:
 
     The buffer mirrors file bytes ``[buffer_begin, buffer_end)``; both are aligned so
     that O_DIRECT reads land on aligned addresses. Block ``dst`` fields are offsets
-    into that buffer until the pipeline adds the buffer's address.
+    into that buffer until the run driver adds the buffer's address.
     """
 
     file: int

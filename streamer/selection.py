@@ -1,7 +1,7 @@
 """What one run reads: the selected tensors in file and offset order, and their files.
 
-Both run kinds (``pipeline.LoadRun`` into CPU buffers, ``staging.StagedRun`` through a ring)
-number files the same way the engine does: by position among the files the run touches.
+The run driver and every sink number files the same way the engine does: by position among
+the files the run touches; and tensors by their position in ``refs``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from streamer.checkpoint import TensorRef
+from streamer.engine.blocks import Unit
 from streamer.metrics import LoadMetrics
 
 T = TypeVar("T")
@@ -32,6 +33,15 @@ class Selection:
     def with_bytes(self) -> list[TensorRef]:
         """The tensors that need reading (zero-size tensors need none)."""
         return [r for r in self.refs if r.entry.nbytes > 0]
+
+    def units(self) -> list[Unit]:
+        """The bytes of each tensor that needs reading, in engine file numbering."""
+        engine_file = self.engine_file()
+        return [Unit(engine_file[r.file], r.entry.begin, r.entry.end) for r in self.with_bytes()]
+
+    def positions(self) -> list[int]:
+        """Where each tensor that needs reading stands in ``refs``."""
+        return [i for i, r in enumerate(self.refs) if r.entry.nbytes > 0]
 
     def new_metrics(self) -> LoadMetrics:
         return LoadMetrics(

@@ -33,6 +33,7 @@ from conftest import (
 
 import streamer
 from streamer import ReadError, SourceError, StreamerError
+from streamer.run.cpu import CpuSink
 
 # Budgets here are small on purpose; the pipeline may warn that it went over one (see
 # test_memory_limit.py for that behaviour). This file is about threads, descriptors and buffers.
@@ -85,7 +86,9 @@ def _budget_used(handle: streamer.Streamer) -> int:
     every tensor of the run is gone, so no buffer outlives its tensors."""
     run = handle._run
     assert run is not None
-    return run._budget.used
+    sink = run._sink
+    assert isinstance(sink, CpuSink)
+    return sink._budget.used
 
 
 def test_counting_sees_native_threads(ckpt: Written, baseline: Callable[[str], None]) -> None:

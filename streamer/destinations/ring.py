@@ -2,7 +2,7 @@
 
 It is allocated once per ``Streamer`` (page-locked when the copy engine needs it, which is
 expensive: hence once) and reused by every run and every file of that handle. Which slot
-holds what is the run's business; the ring only owns the memory.
+holds what is the run's business (``run/slots.py``); the ring only owns the memory.
 """
 
 from __future__ import annotations

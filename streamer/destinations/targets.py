@@ -6,7 +6,8 @@ uint8 tensor that mirrors the span's bytes; every tensor of a run lies inside on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -18,6 +19,16 @@ from streamer.planner import Span
 # Device buffers mirror file bytes from an 8-aligned offset, so a tensor keeps the alignment it has
 # in the file (safetensors writers keep every dtype aligned to its size, at most 8).
 _MIRROR_ALIGNMENT = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a staged run reads: each loaded tensor's name and file span (engine file numbering),
+    sorted by file and offset, and the regions that group neighbouring spans into one read."""
+
+    names: Sequence[str]
+    spans: Sequence[Span]
+    regions: Sequence[Span]
 
 
 class Destination(Protocol):
@@ -35,6 +46,10 @@ class Destination(Protocol):
         """The run needs the target no more (its tensors own its memory from now on)."""
 
 
+DestinationFor = Callable[[Layout], Destination]
+"""Builds a run's destination from its layout, e.g. ``functools.partial(NewMemory, device)``."""
+
+
 class NewMemory:
     """One allocation per group of neighbouring tensors on ``device``; tensors are views into it.
 
@@ -42,9 +57,9 @@ class NewMemory:
     thing that keeps it alive and it is never reused under a view.
     """
 
-    def __init__(self, device: torch.device, regions: Sequence[Span]) -> None:
+    def __init__(self, device: torch.device, layout: Layout) -> None:
         self.device = device
-        self.spans = [Span(r.file, r.begin - r.begin % _MIRROR_ALIGNMENT, r.end) for r in regions]
+        self.spans = [Span(r.file, r.begin - r.begin % _MIRROR_ALIGNMENT, r.end) for r in layout.regions]
         self._buffers: dict[int, torch.Tensor] = {}
 
     def buffer(self, target: int) -> torch.Tensor:
@@ -69,9 +84,9 @@ class ExistingTensors:
     contiguous scratch tensor on the same device, copied in once the tensor is complete.
     """
 
-    def __init__(self, spans: Sequence[Span], tensors: Sequence[torch.Tensor]) -> None:
-        self.spans = list(spans)
-        self._tensors = [t.detach() for t in tensors]
+    def __init__(self, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
+        self.spans = list(layout.spans)
+        self._tensors = [tensors[name].detach() for name in layout.names]
         self._scratch: dict[int, torch.Tensor] = {}
 
     def buffer(self, target: int) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""One load run: the driver (``driver.py``) and the sinks it reads into (``cpu.py``, ``staged.py``)."""

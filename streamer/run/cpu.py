@@ -1,0 +1,215 @@
+"""The CPU sink: tensors are read into CPU buffers under the memory budget and handed out as views.
+
+Tensors are grouped into segments, each read into one buffer; a segment is queued only when
+its buffer fits the budget (``memory.py``), and a buffer comes back for the next segment only
+once no tensor views it (``destinations/cpu.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from streamer.checkpoint import Checkpoint
+from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.destinations.cpu import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
+from streamer.engine import native
+from streamer.memory import streaming_budget
+from streamer.metrics import LoadMetrics
+from streamer.planner import Segment, plan_segments
+from streamer.run.driver import Submit
+from streamer.selection import Selection
+
+_SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
+# The over-limit warning points at the caller of next() or get_tensor(): _warn_if_over_limit,
+# _new_buffer, submit_what_fits, the driver's loop, run_then_close, next() or get_tensor(), caller.
+_CALLER = 7
+
+
+class CpuSink:
+    """Reads a selection into CPU buffers; unit ``i`` is the ``i``-th tensor that has bytes."""
+
+    def __init__(
+        self, checkpoint: Checkpoint, config: StreamerConfig, selection: Selection, metrics: LoadMetrics
+    ) -> None:
+        self._refs = selection.refs
+        self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
+        self._units = selection.units()
+        self._position = selection.positions()  # unit -> position in refs
+        budget = streaming_budget(config, [r.entry.nbytes for r in self._loaded])
+        self._explicit_limit = config.explicit_memory_limit is not None
+        # Segments of small tensors span at most a quarter of the limit: four buffers fit it.
+        segment_bytes = None if budget.limit is None else max(DIRECT_IO_ALIGNMENT, budget.limit // 4 - _SLACK)
+        self._segments = plan_segments(
+            self._units,
+            block_size=config.block_size,
+            segment_bytes=segment_bytes,
+            alignment=DIRECT_IO_ALIGNMENT,
+        )
+        self._segment_of_unit = [0] * len(self._units)
+        for index, segment in enumerate(self._segments):
+            for unit in range(segment.first_unit, segment.last_unit + 1):
+                self._segment_of_unit[unit] = index
+        self._budget = MemoryBudget(budget.limit)
+        self._pool = BufferPool(self._budget, hugepages=config.hugepages)
+        # One thread (the S3 event loop) receives every byte of an S3 object: fault its fresh
+        # buffers in elsewhere, ahead of the bytes (see Prefaulter).
+        reads_s3 = any(checkpoint.object_of(file) is not None for file in selection.files)
+        self._prefaulter = Prefaulter() if reads_s3 else None
+        # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
+        self._common_capacity = (
+            0
+            if segment_bytes is None
+            else max((s.size for s in self._segments if s.size <= segment_bytes + _SLACK), default=0)
+        )
+        self._buffers: dict[int, tuple[torch.Tensor, int]] = {}  # segment -> its buffer and charge
+        self._undelivered: dict[int, int] = {}
+        self._next_segment = 0
+        self._in_flight = 0
+        self._warned_over_limit = False
+        # Read, taken from their buffers, not yet handed to the consumer: position -> tensor, charge.
+        self._taken: dict[int, tuple[torch.Tensor, int]] = {}
+        self._completed: list[int] = []
+        self._current_charge = 0  # charge of the buffer the consumer's last tensor views
+        self.metrics = metrics
+        metrics.memory_limit = budget.limit
+        metrics.memory_limit_source = budget.source
+
+    def plan(self) -> list[native.Unit]:
+        return self._units
+
+    def submit_what_fits(self, submit: Submit) -> bool:
+        """Queues segments in order while the budget allows; False if one is waiting for memory.
+
+        When nothing of this run is in flight or undelivered, the next segment is queued even
+        over the limit rather than stall: what holds the memory then is the consumer.
+        """
+        while self._next_segment < len(self._segments):
+            index = self._next_segment
+            segment = self._segments[index]
+            alone = not self._buffers and not self._taken
+            buffer = self._pool.take(segment.size) or self._new_buffer(segment, force=alone)
+            if buffer is None:
+                return False
+            tensor, base, charge = buffer
+            self._buffers[index] = (tensor, charge)
+            self._undelivered[index] = segment.last_unit - segment.first_unit + 1
+            self._in_flight += segment.last_unit - segment.first_unit + 1
+            self._next_segment += 1
+            submit(segment.blocks, base)
+        return True
+
+    @property
+    def reading(self) -> bool:
+        return self._in_flight > 0
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def on_read(self, units: Sequence[int]) -> None:
+        for unit in units:
+            self._in_flight -= 1
+            position = self._position[unit]
+            # No local name for the tensor: it must not outlive the consumer's reference.
+            self._taken[position] = self._take_tensor(unit)
+            self._completed.append(position)
+
+    def settle(self) -> None:
+        """Nothing to wait for: the next ``submit_what_fits`` reads on, over the limit if need be."""
+
+    def completed(self) -> list[int]:
+        completed, self._completed = self._completed, []
+        return completed
+
+    def tensor(self, position: int) -> torch.Tensor:
+        entry = self._refs[position].entry
+        if entry.nbytes == 0:
+            self._current_charge = 0
+            return empty_tensor(entry)
+        tensor, self._current_charge = self._taken.pop(position)
+        return tensor
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._budget.peak
+
+    def close(self) -> None:
+        """Lets go of the buffers: each is unmapped once no tensor views it."""
+        prefaulter, self._prefaulter = self._prefaulter, None
+        if prefaulter is not None:
+            prefaulter.close()
+            self.metrics.prefault_bytes = prefaulter.submitted
+        self.metrics.buffers_reused = self._pool.reused
+        self._taken.clear()
+        self._buffers.clear()
+        self._pool.close()
+
+    def _new_buffer(self, segment: Segment, *, force: bool) -> tuple[torch.Tensor, int, int] | None:
+        """Fresh memory for ``segment`` if the budget allows (after unmapping idle buffers), else None.
+
+        The buffer is charged with the tensor bytes it is made for (a shared capacity counts
+        whole, less the alignment rounding): see ``MemoryBudget``.
+        """
+        capacity = max(segment.size, self._common_capacity)
+        tensor_bytes = self._units[segment.last_unit].end - self._units[segment.first_unit].begin
+        charge = max(tensor_bytes, capacity - _SLACK)
+        if not self._budget.try_reserve(charge):
+            self._pool.drop_idle()
+            if not self._budget.try_reserve(charge):
+                if not force:
+                    return None
+                self._warn_if_over_limit(segment, charge)
+                self._budget.try_reserve(charge, force=True)
+        allocated = time.perf_counter()
+        try:
+            buffer = self._pool.allocate(capacity, charge)
+        except MemoryError:
+            self._budget.release(charge)
+            raise
+        self.metrics.add_alloc(time.perf_counter() - allocated)
+        if self._prefaulter is not None:
+            self._prefaulter.submit(buffer[1], capacity)
+        return buffer
+
+    def _warn_if_over_limit(self, segment: Segment, charge: int) -> None:
+        """Once per run, when reading on needs more than the limit for a reason the user can change.
+
+        The tensor a ``for`` loop still references while it asks for the next is not one: the
+        next segment is then read beside it, over the limit, without a word.
+        """
+        limit = self._budget.limit
+        if self._warned_over_limit or limit is None:
+            return
+        held = self._budget.used - self._current_charge
+        if charge > limit and self._explicit_limit:
+            name = self._loaded[segment.first_unit].entry.name
+            message = (
+                f"memory_limit {limit} is smaller than tensor {name!r} ({charge} bytes): it is read "
+                "alone, over the limit; raise memory_limit, or leave it unset to size it from the checkpoint"
+            )
+        elif held + charge > limit:
+            message = (
+                f"memory_limit {limit} exceeded: the tensors handed out and still referenced hold "
+                f"{self._budget.used} bytes; reading goes on one segment at a time. Drop (del) tensors "
+                "you are done with, raise or unset memory_limit, or use streamer.load() to keep everything"
+            )
+        else:
+            return
+        self._warned_over_limit = True
+        warnings.warn(message, RuntimeWarning, stacklevel=_CALLER)
+
+    def _take_tensor(self, unit: int) -> tuple[torch.Tensor, int]:
+        index = self._segment_of_unit[unit]
+        segment = self._segments[index]
+        entry = self._loaded[unit].entry
+        buffer, charge = self._buffers[index]
+        tensor = tensor_view(buffer, entry.begin - segment.buffer_begin, entry)
+        self._undelivered[index] -= 1
+        if self._undelivered[index] == 0:
+            del self._buffers[index]  # the views now own it
+            del self._undelivered[index]
+        return tensor, charge
