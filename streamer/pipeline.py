@@ -8,8 +8,6 @@ for the consumer unless the budget is exhausted.
 
 from __future__ import annotations
 
-import bisect
-import os
 import time
 import warnings
 from collections import deque
@@ -17,20 +15,17 @@ from collections.abc import Generator, Iterator, Sequence
 
 import torch
 
+from streamer.backends.base import Storage
 from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.cpu import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
-from streamer.errors import ReadError, SourceError, StreamerError
 from streamer.memory import streaming_budget
-from streamer.metrics import LoadMetrics
 from streamer.planner import Segment, plan_segments
-from streamer.reader import Reader
+from streamer.reader import Reader, open_reader
 from streamer.selection import Selection, run_then_close
 
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
-_CACHED_FRACTION = 0.5  # auto mode reads a file buffered when at least this much of it is cached
-_RESIDENCY_SAMPLE = 16  # auto mode looks at one MiB in 16: ~1 ms per GiB instead of ~15
 _SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
 
 Result = tuple[str, torch.Tensor, int]  # name, tensor, charge of the buffer it views (0: none)
@@ -40,9 +35,16 @@ class LoadRun:
     """Reads a selection of tensors once. Iterate ``results()``; ``close()`` is idempotent."""
 
     def __init__(
-        self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig, *, ordered: bool
+        self,
+        checkpoint: Checkpoint,
+        refs: Sequence[TensorRef],
+        config: StreamerConfig,
+        *,
+        ordered: bool,
+        storage: Storage,
     ) -> None:
         self._checkpoint = checkpoint
+        self._storage = storage
         self._config = config
         self._ordered = ordered
         selection = Selection.of(refs)
@@ -68,10 +70,9 @@ class LoadRun:
                 self._segment_of_unit[unit] = index
         self._budget = MemoryBudget(budget.limit)
         self._pool = BufferPool(self._budget, hugepages=config.hugepages)
-        # One thread (the S3 event loop) receives every byte of an S3 object: fault its fresh
-        # buffers in elsewhere, ahead of the bytes (see Prefaulter).
-        reads_s3 = any(checkpoint.object_of(file) is not None for file in self._files)
-        self._prefaulter = Prefaulter() if reads_s3 else None
+        # One thread (e.g. the S3 event loop) receives every byte: fault its fresh buffers in
+        # elsewhere, ahead of the bytes (see Prefaulter).
+        self._prefaulter = Prefaulter() if storage.one_receiver and self._files else None
         # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
         self._common_capacity = (
             0
@@ -111,7 +112,15 @@ class LoadRun:
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.metrics.start()
-        self._engine = start_engine(self._checkpoint, self._files, self._config, self._units, self.metrics)
+        self._engine = open_reader(
+            self._storage,
+            self._checkpoint,
+            self._files,
+            self._config,
+            self._units,
+            self._named_units,
+            self.metrics,
+        )
         pending: dict[int, Result] = {}  # position in self._refs -> result
         ready: deque[Result] = deque()
         unit_position = [i for i, r in enumerate(self._refs) if r.entry.nbytes > 0]
@@ -143,10 +152,7 @@ class LoadRun:
             if self._in_flight == 0:
                 continue  # everything read was handed out: queue more (over the limit if need be)
             waited = time.perf_counter()
-            try:
-                completed = self._engine.wait(_WAIT_MS)
-            except native.EngineFailure as failure:
-                raise engine_error(self._checkpoint, self._files, self._named_units, failure.info) from None
+            completed = self._engine.wait(_WAIT_MS)
             self.metrics.add_wait(time.perf_counter() - waited, blocked_on_memory)
             for unit in completed:
                 self._in_flight -= 1
@@ -235,10 +241,7 @@ class LoadRun:
         self._buffers[index] = (tensor, charge)
         self._undelivered[index] = segment.last_unit - segment.first_unit + 1
         self._in_flight += segment.last_unit - segment.first_unit + 1
-        try:
-            self._engine.submit([block._replace(dst=base + block.dst) for block in segment.blocks])
-        except native.EngineFailure as failure:
-            raise engine_error(self._checkpoint, self._files, self._named_units, failure.info) from None
+        self._engine.submit([block._replace(dst=base + block.dst) for block in segment.blocks])
         self.metrics.blocks += len(segment.blocks)
 
     def _take_tensor(self, unit: int) -> Result:
@@ -252,95 +255,3 @@ class LoadRun:
             del self._buffers[index]  # the views now own it
             del self._undelivered[index]
         return entry.name, tensor, charge
-
-
-def start_engine(
-    checkpoint: Checkpoint,
-    files: Sequence[int],
-    config: StreamerConfig,
-    units: Sequence[native.Unit],
-    metrics: LoadMetrics,
-) -> Reader:
-    """A reader over ``units`` with ``files`` (checkpoint file indices) as engine files 0..n-1.
-
-    Local files are opened by the engine; S3 objects become external files served by an
-    S3 backend. A run of S3 objects only gets one (idle) engine thread.
-    """
-    objects = {index: checkpoint.object_of(file) for index, file in enumerate(files)}
-    remote = {index: info for index, info in objects.items() if info is not None}
-    spans: dict[int, tuple[int, int]] = {}  # engine file -> the bytes this run reads of it
-    for unit in units:
-        begin, end = spans.get(unit.file, (unit.begin, unit.end))
-        spans[unit.file] = (min(begin, unit.begin), max(end, unit.end))
-    workers = 1 if len(remote) == len(files) else config.concurrency
-    reader = Reader(native.Engine(workers, units))
-    try:
-        for index, file in enumerate(files):
-            path = checkpoint.headers[file].path
-            if index in remote:
-                engine_index = reader.add_external_file()
-            else:
-                try:
-                    direct = _wants_direct(config, path, spans.get(index, (0, 0)))
-                    engine_index, direct = reader.add_file(path, direct)
-                except OSError as exc:
-                    raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
-                metrics.file_opened(direct)
-            if engine_index != index:
-                raise StreamerError(f"engine numbered file {engine_index}, expected {index}", path=path)
-        if remote:
-            if checkpoint.s3 is None:
-                raise StreamerError("an S3 checkpoint without its client")  # a bug, not user input
-            reader.attach_s3(checkpoint.s3.get(), remote)
-            metrics.s3_files = len(remote)
-    except BaseException:
-        reader.close()
-        raise
-    return reader
-
-
-def _wants_direct(config: StreamerConfig, path: str, span: tuple[int, int]) -> bool:
-    """O_DIRECT when the page cache does not hold the bytes this run reads (``span`` of the
-    file, so one tensor's read looks at its own pages only); buffered reads when it does."""
-    if config.io_mode == "buffered" or config.block_size % DIRECT_IO_ALIGNMENT:
-        return False
-    if config.io_mode == "direct":
-        return True
-    begin, end = span
-    try:
-        resident, total = native.resident_bytes(path, _RESIDENCY_SAMPLE, begin, end - begin)
-    except OSError:
-        return False
-    return resident < total * _CACHED_FRACTION
-
-
-def engine_error(
-    checkpoint: Checkpoint,
-    files: Sequence[int],
-    tensors: Sequence[tuple[native.Unit, str]],
-    info: native.ErrorInfo,
-) -> StreamerError:
-    """The typed error for an engine failure; ``tensors`` (sorted by file and offset) name the place."""
-    if info.code == native.ERR_CANCELLED:
-        return StreamerError("the load was cancelled")
-    if info.file < 0 or info.file >= len(files):
-        return StreamerError(f"the engine failed with status {info.code}")
-    path = checkpoint.headers[files[info.file]].path
-    tensor = _tensor_at(tensors, info.file, info.offset + info.got)
-    if info.code == native.ERR_TRUNCATED:
-        message = (
-            f"file ended early: {info.got} of {info.expected} bytes read "
-            "(truncated or replaced while loading?)"
-        )
-    elif info.code == native.ERR_READ:
-        message = f"read failed: {os.strerror(info.sys_errno)}"
-    else:
-        message = f"read failed with engine status {info.code}"
-    return ReadError(message, path=path, tensor=tensor, offset=info.offset)
-
-
-def _tensor_at(tensors: Sequence[tuple[native.Unit, str]], engine_file: int, position: int) -> str | None:
-    """The tensor holding ``position`` in the file, or the next one after it."""
-    in_file = [(unit.end, name) for unit, name in tensors if unit.file == engine_file]
-    found = bisect.bisect_right([end for end, _ in in_file], position)
-    return in_file[found][1] if found < len(in_file) else None

@@ -19,6 +19,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 
 import torch
 
+from streamer.backends.base import Storage
 from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.copy_engine import CopyEngine, CopyTicket
@@ -27,9 +28,8 @@ from streamer.destinations.ring import HostRing, RingCache, ring_bytes_for
 from streamer.destinations.targets import Destination
 from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
-from streamer.pipeline import engine_error, start_engine
 from streamer.planner import Piece, Span, align_down, align_up, group_spans, plan_pieces
-from streamer.reader import Reader
+from streamer.reader import Reader, open_reader
 from streamer.selection import Selection, run_then_close
 
 DEFAULT_RING_BYTES = 1 << 30  # reaches PCIe speed with room to spare; smaller checkpoints get less
@@ -57,8 +57,10 @@ class StagedRun:
         copy_engine: CopyEngine,
         destination_for: Callable[[Sequence[Span], Sequence[Span], Sequence[TensorRef]], Destination],
         rings: RingCache,
+        storage: Storage,
     ) -> None:
         self._checkpoint = checkpoint
+        self._storage = storage
         self._config = config
         self._ordered = ordered
         self._device = device
@@ -135,11 +137,13 @@ class StagedRun:
             (native.Unit(s.file, s.begin, s.end), r.entry.name)
             for s, r in zip(self._spans, self._loaded, strict=True)
         ]
-        self._engine = engine = start_engine(
+        self._engine = engine = open_reader(
+            self._storage,
             self._checkpoint,
             self._files,
             self._config,
             [native.Unit(p.file, p.begin, p.end) for p in pieces],
+            named,
             self.metrics,
         )
         copy_engine.order_after_consumer()  # load_into: the consumer may still be writing its tensors
@@ -188,7 +192,7 @@ class StagedRun:
             while next_piece < len(pieces) and free_slots:
                 slot = free_slots.popleft()
                 slot_of[next_piece] = slot
-                self._submit(pieces[next_piece], ring.address(slot), named)
+                self._submit(pieces[next_piece], ring.address(slot))
                 reading += 1
                 next_piece += 1
             blocked = next_piece < len(pieces)
@@ -209,10 +213,7 @@ class StagedRun:
                 break
             if reading:
                 waited = time.perf_counter()
-                try:
-                    completed = engine.wait(_POLL_MS if self._copying else _WAIT_MS)
-                except native.EngineFailure as failure:
-                    raise engine_error(self._checkpoint, self._files, named, failure.info) from None
+                completed = engine.wait(_POLL_MS if self._copying else _WAIT_MS)
                 self.metrics.add_wait(time.perf_counter() - waited, blocked)
                 for piece in completed:
                     reading -= 1
@@ -242,12 +243,9 @@ class StagedRun:
                     if pieces_left[index] == 0:
                         complete(self._position[id(self._loaded[index])])
 
-    def _submit(self, piece: Piece, slot_address: int, named: Sequence[tuple[native.Unit, str]]) -> None:
+    def _submit(self, piece: Piece, slot_address: int) -> None:
         assert self._engine is not None
-        try:
-            self._engine.submit([block._replace(dst=slot_address + block.dst) for block in piece.blocks])
-        except native.EngineFailure as failure:
-            raise engine_error(self._checkpoint, self._files, named, failure.info) from None
+        self._engine.submit([block._replace(dst=slot_address + block.dst) for block in piece.blocks])
         self.metrics.blocks += len(piece.blocks)
 
     def _copy(self, ring: HostRing, slot: int, piece: Piece, target: int, begin: int, end: int) -> CopyTicket:
