@@ -9,18 +9,15 @@ the engine's read failure named by file and tensor), by this one route.
 
 from __future__ import annotations
 
-import bisect
 import os
 from collections.abc import Sequence
 
-from streamer.backends.base import Feed, Storage
+from streamer.backends.base import Feed, Named, Storage, tensor_at
 from streamer.checkpoint import Checkpoint
 from streamer.config import StreamerConfig
 from streamer.engine import native
 from streamer.errors import ReadError, StreamerError
 from streamer.metrics import LoadMetrics
-
-Named = Sequence[tuple[native.Unit, str]]  # tensors (engine numbering) and their names
 
 
 def open_reader(
@@ -44,7 +41,10 @@ def open_reader(
     engine = native.Engine(config.concurrency if storage.reads_in_engine and files else 1, units)
     try:
         feed = storage.feed(
-            engine, [checkpoint.files[f] for f in files], [spans.get(i, (0, 0)) for i in range(len(files))]
+            engine,
+            [checkpoint.files[f] for f in files],
+            [spans.get(i, (0, 0)) for i in range(len(files))],
+            tensors,
         )
     except BaseException:
         engine.close()
@@ -110,7 +110,7 @@ def engine_error(paths: Sequence[str], tensors: Named, info: native.ErrorInfo) -
         return StreamerError("the load was cancelled")
     if info.file < 0 or info.file >= len(paths):
         return StreamerError(f"the engine failed with status {info.code}")
-    tensor = _tensor_at(tensors, info.file, info.offset + info.got)
+    tensor = tensor_at(tensors, info.file, info.offset + info.got)
     if info.code == native.ERR_TRUNCATED:
         message = (
             f"file ended early: {info.got} of {info.expected} bytes read "
@@ -121,10 +121,3 @@ def engine_error(paths: Sequence[str], tensors: Named, info: native.ErrorInfo) -
     else:
         message = f"read failed with engine status {info.code}"
     return ReadError(message, path=paths[info.file], tensor=tensor, offset=info.offset)
-
-
-def _tensor_at(tensors: Named, engine_file: int, position: int) -> str | None:
-    """The tensor holding ``position`` in the file, or the next one after it."""
-    in_file = [(unit.end, name) for unit, name in tensors if unit.file == engine_file]
-    found = bisect.bisect_right([end for end, _ in in_file], position)
-    return in_file[found][1] if found < len(in_file) else None

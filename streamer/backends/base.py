@@ -17,6 +17,7 @@ feed's own typed error; ``reader.Reader`` raises that error, the one route to th
 
 from __future__ import annotations
 
+import bisect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ class Opened:
 
 Range = tuple[StoredFile, int, int]  # a file and the bytes [begin, end) of it
 Span = tuple[int, int]  # bytes [begin, end) of a file
+Named = Sequence[tuple[native.Unit, str]]  # a run's tensors (engine numbering, by file and offset), named
 
 
 class Feed(ABC):
@@ -97,10 +99,13 @@ class Storage(ABC):
         only when its file ended early."""
 
     @abstractmethod
-    def feed(self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span]) -> Feed:
+    def feed(
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+    ) -> Feed:
         """Registers ``files`` with ``engine`` as its files 0..n-1 and returns the feed serving them.
 
-        ``spans[i]`` is the part of file i this run reads (for choosing how to read it).
+        ``spans[i]`` is the part of file i this run reads (for choosing how to read it);
+        ``tensors`` name the place of a failure (``tensor_at``).
         """
 
     @abstractmethod
@@ -145,3 +150,10 @@ class ExternalFeed(Feed):
                 native.ERR_EXTERNAL, 0, block.file, block.acc_begin, block.acc_end - block.acc_begin, 0
             )
         )
+
+
+def tensor_at(tensors: Named, engine_file: int, position: int) -> str | None:
+    """The tensor holding byte ``position`` of an engine file, or the next one after it."""
+    in_file = [(unit.end, name) for unit, name in tensors if unit.file == engine_file]
+    found = bisect.bisect_right([end for end, _ in in_file], position)
+    return in_file[found][1] if found < len(in_file) else None

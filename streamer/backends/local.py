@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamer.backends.base import Feed, Front, Opened, Range, Span, Storage, StoredFile
+from streamer.backends.base import Feed, Front, Named, Opened, Range, Span, Storage, StoredFile
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.engine import native
 from streamer.errors import SourceError, StreamerError
@@ -48,7 +48,9 @@ class LocalStorage(Storage):
     def close(self) -> None:
         """Nothing to release: the engine opens a run's files and closes them with the run."""
 
-    def feed(self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span]) -> Feed:
+    def feed(
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+    ) -> Feed:
         return _EngineFeed(engine, self._config, files, spans)
 
 

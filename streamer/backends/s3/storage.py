@@ -14,7 +14,7 @@ import asyncio
 import os
 from collections.abc import Sequence
 
-from streamer.backends.base import Feed, Front, Opened, Range, Span, Storage, StoredFile
+from streamer.backends.base import Feed, Front, Named, Opened, Range, Span, Storage, StoredFile
 from streamer.backends.s3.client import ClientHolder, S3Client
 from streamer.backends.s3.feeder import S3Feeder
 from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
@@ -47,7 +47,9 @@ class S3Storage(Storage):
         client = self._holder.get()
         return client.call(_read_ranges(client, [(_object(file), begin, end) for file, begin, end in ranges]))
 
-    def feed(self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span]) -> Feed:
+    def feed(
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+    ) -> Feed:
         return S3Feeder(self._holder.get(), engine, [_object(file) for file in files])
 
     def close(self) -> None:
