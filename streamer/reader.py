@@ -88,9 +88,6 @@ class Reader:
         """The engine's counters (the storage's go to the run's metrics when it closes)."""
         return self._engine.stats()
 
-    def cancel(self) -> None:
-        self._engine.cancel()
-
     def close(self) -> None:
         """Stops the feed first (it may write into buffers the run owns), then the engine; records
         the storage's counters. Idempotent."""
