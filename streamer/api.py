@@ -14,7 +14,9 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from streamer.checkpoint import Checkpoint, TensorRef, open_checkpoint
+from streamer.backends import open_storage
+from streamer.backends.base import Storage
+from streamer.checkpoint import Checkpoint, TensorRef, read_checkpoint
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine, parse_device
 from streamer.destinations.ring import RingCache
@@ -89,10 +91,15 @@ class Streamer:
         self.device = parse_device(device)
         self.config = config if config is not None else StreamerConfig()
         self._order = order
-        self._checkpoint = open_checkpoint(source, self.config.s3)
-        # An S3 checkpoint holds a client (a thread, a loop, sockets): closed by close(), or
-        # when the handle is collected without it.
-        weakref.finalize(self, self._checkpoint.close)
+        # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
+        # this handle; closed by close(), or when the handle is collected without it.
+        self._storage = open_storage(source, self.config)
+        weakref.finalize(self, self._storage.close)
+        try:
+            self._checkpoint = read_checkpoint(self._storage, source)
+        except BaseException:
+            self._storage.close()
+            raise
         self._run: Run | None = None  # the last read, for metrics
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
@@ -175,11 +182,11 @@ class Streamer:
         engine = copy_engine.staged_engine(self.device)
         if engine is None:
             config = dataclasses.replace(self.config, memory_limit=UNLIMITED) if keep_all else self.config
-            cpu = functools.partial(CpuSink, self._checkpoint, config)
-            return Run(self._checkpoint, refs, config, cpu, ordered=ordered)
+            cpu = functools.partial(CpuSink, config, one_receiver=self._storage.one_receiver)
+            return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
         staged = functools.partial(StagedSink, staging, self.config)
-        return Run(self._checkpoint, refs, self.config, staged, ordered=ordered)
+        return Run(self._checkpoint, refs, self.config, staged, ordered=ordered, storage=self._storage)
 
     def _stop(self) -> None:
         iteration = self._iteration() if self._iteration is not None else None
@@ -190,7 +197,7 @@ class Streamer:
         """Stops a pass in progress and releases its threads, files, buffers and host ring."""
         self._stop()
         self._rings.clear()
-        self._checkpoint.close()
+        self._storage.close()
 
     def __enter__(self) -> Streamer:
         return self
@@ -260,15 +267,16 @@ def load_into(
     copies, and an error can leave some tensors loaded and others not.
     """
     config = config if config is not None else StreamerConfig()
-    checkpoint = open_checkpoint(source, config.s3)
-    try:
-        return _load_into(dest, checkpoint, config, strict)
-    finally:
-        checkpoint.close()
+    with open_storage(source, config) as storage:
+        return _load_into(dest, storage, read_checkpoint(storage, source), config, strict)
 
 
 def _load_into(
-    dest: Mapping[str, torch.Tensor], checkpoint: Checkpoint, config: StreamerConfig, strict: bool
+    dest: Mapping[str, torch.Tensor],
+    storage: Storage,
+    checkpoint: Checkpoint,
+    config: StreamerConfig,
+    strict: bool,
 ) -> IncompatibleKeys:
     missing = [name for name in dest if name not in checkpoint.tensors]
     unexpected = [name for name in checkpoint.tensors if name not in dest]
@@ -287,7 +295,7 @@ def _load_into(
             by_device.setdefault(dest[name].device, []).append(name)
     rings = RingCache()
     for device, names in by_device.items():
-        _fill(checkpoint, {name: dest[name] for name in names}, parse_device(device), config, rings)
+        _fill(storage, checkpoint, {name: dest[name] for name in names}, parse_device(device), config, rings)
     return IncompatibleKeys(missing, unexpected)
 
 
@@ -312,6 +320,7 @@ def _check_destination(checkpoint: Checkpoint, name: str, tensor: object) -> Non
 
 
 def _fill(
+    storage: Storage,
     checkpoint: Checkpoint,
     dest: Mapping[str, torch.Tensor],
     device: torch.device,
@@ -323,5 +332,5 @@ def _fill(
     engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
     staging = Staging(device, engine, functools.partial(ExistingTensors, dest), rings)
     staged = functools.partial(StagedSink, staging, config)
-    for _ in Run(checkpoint, refs, config, staged, ordered=False).results():
+    for _ in Run(checkpoint, refs, config, staged, ordered=False, storage=storage).results():
         pass

@@ -1,16 +1,19 @@
-"""A checkpoint: the parsed headers of all its files and a name → tensor table."""
+"""A checkpoint: the parsed headers of all its files, a name → tensor table and where each file is.
+
+Pure data: the storage session that read it (and serves its runs) belongs to the handle.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from streamer.backends.s3 import ClientHolder, ObjectInfo
-from streamer.config import S3Config
+from streamer.backends import open_storage
+from streamer.backends.base import Opened, Storage, StoredFile
+from streamer.config import S3Config, StreamerConfig
 from streamer.errors import SourceError
-from streamer.format.safetensors import FileHeader, TensorEntry, read_header
-from streamer.sources import ResolvedSource, SourceLike, resolve
-from streamer.sources.s3 import open_s3, split_sources
+from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
+from streamer.sources import ResolvedSource, SourceLike
 
 
 @dataclass(frozen=True)
@@ -25,16 +28,7 @@ class TensorRef:
 class Checkpoint:
     headers: tuple[FileHeader, ...]
     tensors: dict[str, TensorRef]  # in checkpoint order: file order, then offset order
-    objects: tuple[ObjectInfo | None, ...] = ()  # per file: the S3 object it is, None for a local file
-    s3: ClientHolder | None = field(default=None, compare=False)  # the client its S3 runs share
-
-    def object_of(self, file: int) -> ObjectInfo | None:
-        return self.objects[file] if self.objects else None
-
-    def close(self) -> None:
-        """Closes the S3 client (thread, loop, connections) if there is one; reading again reopens it."""
-        if self.s3 is not None:
-            self.s3.close()
+    files: tuple[StoredFile, ...]  # per file: where it is, as its storage saw it (size, version)
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -59,28 +53,39 @@ class Checkpoint:
 
 
 def open_checkpoint(source: SourceLike, s3_config: S3Config | None = None) -> Checkpoint:
-    """Resolves the source and parses every header; no tensor data is read."""
-    uris = split_sources(source)
-    objects: tuple[ObjectInfo | None, ...] = ()
-    holder: ClientHolder | None = None
-    if uris is not None:
-        resolved, headers, objects, holder = open_s3(uris, s3_config if s3_config is not None else S3Config())
-        try:
-            return _checkpoint(resolved, headers, objects, holder)
-        except BaseException:
-            holder.close()
-            raise
-    else:
-        resolved = resolve(source)
-        headers = tuple(read_header(path) for path in resolved.paths)
-    return _checkpoint(resolved, headers, objects, holder)
+    """Resolves the source and parses every header through a storage session of its own, closed
+    before returning; no tensor data is read."""
+    config = StreamerConfig() if s3_config is None else StreamerConfig(s3=s3_config)
+    with open_storage(source, config) as storage:
+        return read_checkpoint(storage, source)
+
+
+def read_checkpoint(storage: Storage, source: SourceLike) -> Checkpoint:
+    """Resolves the source with ``storage`` and parses every header; no tensor data is read."""
+    opened = storage.open(source)
+    return _checkpoint(opened.source, _headers(storage, opened), tuple(f.file for f in opened.fronts))
+
+
+def _headers(storage: Storage, opened: Opened) -> tuple[FileHeader, ...]:
+    """Every file's header, whatever its storage: from its front, plus the rest of the header where
+    the front was shorter (all such reads at once)."""
+    wanted = [
+        (index, header_end(front.data, path=front.file.path, file_size=front.file.size))
+        for index, front in enumerate(opened.fronts)
+    ]
+    short = [(index, end) for index, end in wanted if len(opened.fronts[index].data) < end]
+    rest = storage.read_ranges([(opened.fronts[i].file, len(opened.fronts[i].data), end) for i, end in short])
+    data = [front.data for front in opened.fronts]
+    for (index, _), more in zip(short, rest, strict=True):
+        data[index] += more
+    return tuple(
+        parse_front(bytes_, path=front.file.path, file_size=front.file.size)
+        for bytes_, front in zip(data, opened.fronts, strict=True)
+    )
 
 
 def _checkpoint(
-    resolved: ResolvedSource,
-    headers: tuple[FileHeader, ...],
-    objects: tuple[ObjectInfo | None, ...],
-    holder: ClientHolder | None,
+    resolved: ResolvedSource, headers: tuple[FileHeader, ...], files: tuple[StoredFile, ...]
 ) -> Checkpoint:
     tensors: dict[str, TensorRef] = {}
     for index, header in enumerate(headers):
@@ -94,7 +99,7 @@ def _checkpoint(
                 )
             tensors[entry.name] = TensorRef(index, entry)
     _check_weight_map(resolved, headers, tensors)
-    return Checkpoint(headers=headers, tensors=tensors, objects=objects, s3=holder)
+    return Checkpoint(headers=headers, tensors=tensors, files=files)
 
 
 def _check_weight_map(

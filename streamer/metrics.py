@@ -15,8 +15,6 @@ class LoadMetrics:
     tensors: int = 0
     bytes: int = 0
     blocks: int = 0
-    direct_files: int = 0
-    buffered_files: int = 0
     seconds: float = 0.0
     time_to_first_tensor: float | None = None
     consumer_wait_seconds: float = 0.0
@@ -30,19 +28,13 @@ class LoadMetrics:
     copy_wait_seconds: float = 0.0  # staged loads: consumer blocked on copies with no read in flight
     ring_stalls: int = 0  # staged loads: times a read could not start because every slot was busy
     copies: int = 0  # staged loads: copies out of the ring
-    s3_files: int = 0  # files read from S3 (the others count as direct or buffered)
     prefault_bytes: int = 0  # CPU loads from S3: fresh buffer bytes faulted in ahead of the data
     engine: dict[str, float] = field(default_factory=dict)
+    storage: dict[str, int] = field(default_factory=dict)  # the storage's own counters (Feed.stats)
     _started: float = 0.0
 
     def start(self) -> None:
         self._started = time.perf_counter()
-
-    def file_opened(self, direct: bool) -> None:
-        if direct:
-            self.direct_files += 1
-        else:
-            self.buffered_files += 1
 
     def tensor_delivered(self) -> None:
         if self.time_to_first_tensor is None:
@@ -66,6 +58,9 @@ class LoadMetrics:
     def add_engine_stats(self, stats: dict[str, float]) -> None:
         self.engine = dict(stats)
 
+    def add_storage_stats(self, stats: dict[str, int]) -> None:
+        self.storage = dict(stats)
+
     def finish(self, peak_buffer_bytes: int) -> None:
         self.seconds = time.perf_counter() - self._started
         self.peak_buffer_bytes = peak_buffer_bytes
@@ -80,8 +75,8 @@ class LoadMetrics:
             "gb_per_s": self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0,
             "time_to_first_tensor_s": self.time_to_first_tensor,
             "blocks": self.blocks,
-            "direct_files": self.direct_files,
-            "buffered_files": self.buffered_files,
+            "direct_files": self.storage.get("direct_files", 0),  # local files read with O_DIRECT
+            "buffered_files": self.storage.get("buffered_files", 0),  # local files read through the cache
             "consumer_wait_s": self.consumer_wait_seconds,
             "memory_wait_s": self.memory_wait_seconds,
             "alloc_s": self.alloc_seconds,
@@ -96,8 +91,8 @@ class LoadMetrics:
             "bytes_read": int(self.engine.get("bytes_read", 0)),
             "read_s": self.engine.get("read_seconds", 0.0),
             "worker_idle_s": self.engine.get("idle_seconds", 0.0),
-            "s3_files": self.s3_files,
+            "s3_files": self.storage.get("s3_files", 0),
             "prefault_bytes": self.prefault_bytes,
-            "requests": int(self.engine.get("requests", 0)),  # S3 requests, retries included
-            "retries": int(self.engine.get("retries", 0)),  # S3 tries that failed and were retried
+            "requests": self.storage.get("requests", 0),  # S3 requests, retries included
+            "retries": self.storage.get("retries", 0),  # S3 tries that failed and were retried
         }

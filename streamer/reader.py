@@ -1,80 +1,120 @@
-"""What a run reads through: the native engine, plus the S3 backend for the files that are S3 objects.
+"""What a run reads through: the native engine, fed by the checkpoint's storage.
 
-Blocks of local files go to the engine's reader threads; blocks of S3 objects go to an
-``S3Feeder``, which credits them to the same engine as they land. Completions, the wait with the
-GIL released, the first-error rule and cancellation are the engine's, whatever the storage:
-the runs above see one ``submit`` / ``wait`` / ``close``.
+``open_reader`` makes the engine for a run's units and has the storage register the run's files
+(``Storage.feed``). Completions, the wait with the GIL released, the first-error rule and
+cancellation are the engine's, whatever the storage: the runs above see one ``submit`` /
+``wait`` / ``close``, and every failure comes out of them as one typed error (a storage's own, or
+the engine's read failure named by file and tensor), by this one route.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Sequence
 
-from streamer.backends.s3 import ObjectInfo, S3Client, S3Feeder
+from streamer.backends.base import Feed, Named, Storage, tensor_at
+from streamer.checkpoint import Checkpoint
+from streamer.config import StreamerConfig
 from streamer.engine import native
+from streamer.errors import ReadError, StreamerError
+from streamer.metrics import LoadMetrics
+
+
+def open_reader(
+    storage: Storage,
+    checkpoint: Checkpoint,
+    files: Sequence[int],
+    config: StreamerConfig,
+    units: Sequence[native.Unit],
+    tensors: Named,
+    metrics: LoadMetrics,
+) -> Reader:
+    """A reader over ``units`` with ``files`` (checkpoint file indices) as engine files 0..n-1.
+
+    ``tensors`` (sorted by file and offset) name the place of a failure. A storage that fetches
+    its blocks itself gets one idle engine thread; the local one a pool of readers.
+    """
+    spans: dict[int, tuple[int, int]] = {}  # engine file -> the bytes this run reads of it
+    for unit in units:
+        begin, end = spans.get(unit.file, (unit.begin, unit.end))
+        spans[unit.file] = (min(begin, unit.begin), max(end, unit.end))
+    engine = native.Engine(config.concurrency if storage.reads_in_engine and files else 1, units)
+    try:
+        feed = storage.feed(
+            engine,
+            [checkpoint.files[f] for f in files],
+            [spans.get(i, (0, 0)) for i in range(len(files))],
+            tensors,
+        )
+    except BaseException:
+        engine.close()
+        raise
+    return Reader(engine, feed, [checkpoint.headers[f].path for f in files], tensors, metrics)
 
 
 class Reader:
-    """The engine (its files opened by the caller) and, when ``objects`` is not empty, an S3 feeder."""
+    """The engine and the storage's feed of one run; failures come out as typed errors."""
 
-    def __init__(self, engine: native.Engine) -> None:
+    def __init__(
+        self, engine: native.Engine, feed: Feed, paths: Sequence[str], tensors: Named, metrics: LoadMetrics
+    ) -> None:
         self._engine = engine
-        self._client: S3Client | None = None
-        self._feeder: S3Feeder | None = None
-        self._remote: frozenset[int] = frozenset()
-        self._counted = (0, 0, 0)
-
-    def attach_s3(self, client: S3Client, objects: Mapping[int, ObjectInfo]) -> None:
-        """Serves the blocks of engine files ``objects`` (registered as external files) from S3
-        with ``client`` (shared with the checkpoint, which closes it)."""
-        self._client = client
-        self._counted = (client.requests, client.retries, client.bytes_fetched)
-        self._feeder = S3Feeder(client, self._engine, objects)
-        self._remote = frozenset(objects)
-
-    def add_file(self, path: str, want_direct: bool) -> tuple[int, bool]:
-        return self._engine.add_file(path, want_direct)
-
-    def add_external_file(self) -> int:
-        return self._engine.add_external_file()
+        self._feed: Feed | None = feed
+        self._paths = tuple(paths)
+        self._tensors = tensors
+        self._metrics = metrics
 
     def submit(self, blocks: Sequence[native.Block]) -> None:
-        if self._feeder is None:
-            self._engine.submit(blocks)
-            return
-        remote = [b for b in blocks if b.file in self._remote]
-        local = [b for b in blocks if b.file not in self._remote]
-        if remote:
-            self._feeder.submit(remote)
-        if local:
-            self._engine.submit(local)
+        assert self._feed is not None
+        try:
+            self._feed.submit(blocks)
+        except native.EngineFailure as failure:
+            raise self._error(failure.info) from None
 
     def wait(self, timeout_ms: int) -> list[int]:
-        """Completed unit ids; raises the S3 error itself when the S3 backend failed the run."""
+        """Completed unit ids (empty on timeout); raises the run's typed error once it failed."""
         try:
             return self._engine.wait(timeout_ms)
         except native.EngineFailure as failure:
-            feeder = self._feeder
-            if failure.info.code == native.ERR_EXTERNAL and feeder is not None and feeder.error is not None:
-                raise feeder.error from None
-            raise
+            raise self._error(failure.info) from None
+
+    def _error(self, info: native.ErrorInfo) -> StreamerError:
+        feed_error = self._feed.error if self._feed is not None else None
+        if info.code == native.ERR_EXTERNAL and feed_error is not None:
+            return feed_error
+        return engine_error(self._paths, self._tensors, info)
 
     def stats(self) -> dict[str, float]:
-        stats = self._engine.stats()
-        if self._client is not None:  # this run's share of the shared client's counters
-            stats["requests"] = self._client.requests - self._counted[0]
-            stats["retries"] = self._client.retries - self._counted[1]
-            stats["bytes_fetched"] = self._client.bytes_fetched - self._counted[2]
-        return stats
-
-    def cancel(self) -> None:
-        self._engine.cancel()
+        """The engine's counters (the storage's go to the run's metrics when it closes)."""
+        return self._engine.stats()
 
     def close(self) -> None:
-        """Stops S3 requests first (they write into buffers the run owns), then the engine. Idempotent."""
-        feeder, self._feeder = self._feeder, None
+        """Stops the feed first (it may write into buffers the run owns), then the engine; records
+        the storage's counters. Idempotent."""
+        feed, self._feed = self._feed, None
         try:
-            if feeder is not None:
-                feeder.close()
+            if feed is not None:
+                feed.close()
+                self._metrics.add_storage_stats(feed.stats())
         finally:
             self._engine.close()
+
+
+def engine_error(paths: Sequence[str], tensors: Named, info: native.ErrorInfo) -> StreamerError:
+    """The typed error for an engine failure; ``paths`` are the engine files', ``tensors`` (sorted
+    by file and offset) name the place."""
+    if info.code == native.ERR_CANCELLED:
+        return StreamerError("the load was cancelled")
+    if info.file < 0 or info.file >= len(paths):
+        return StreamerError(f"the engine failed with status {info.code}")
+    tensor = tensor_at(tensors, info.file, info.offset + info.got)
+    if info.code == native.ERR_TRUNCATED:
+        message = (
+            f"file ended early: {info.got} of {info.expected} bytes read "
+            "(truncated or replaced while loading?)"
+        )
+    elif info.code == native.ERR_READ:
+        message = f"read failed: {os.strerror(info.sys_errno)}"
+    else:
+        message = f"read failed with engine status {info.code}"
+    return ReadError(message, path=paths[info.file], tensor=tensor, offset=info.offset)

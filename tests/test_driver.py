@@ -25,7 +25,8 @@ from conftest import (
 )
 
 from streamer import StreamerError
-from streamer.checkpoint import open_checkpoint
+from streamer.backends.local import LocalStorage
+from streamer.checkpoint import read_checkpoint
 from streamer.destinations.cpu import empty_tensor
 from streamer.engine import native
 from streamer.metrics import LoadMetrics
@@ -122,7 +123,9 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Written:
 
 
 def _run(written: Written, *, ordered: bool, fail: bool = False) -> tuple[Run, list[PeerSink]]:
-    checkpoint = open_checkpoint(written.index)
+    settings = config(io_mode="buffered")
+    storage = LocalStorage(settings)  # holds nothing open: no close needed
+    checkpoint = read_checkpoint(storage, written.index)
     reference = reference_load(written.shards)
     sinks: list[PeerSink] = []
 
@@ -130,7 +133,7 @@ def _run(written: Written, *, ordered: bool, fail: bool = False) -> tuple[Run, l
         sinks.append(PeerSink(selection, metrics, reference, fail))
         return sinks[-1]
 
-    run = Run(checkpoint, list(checkpoint.refs()), config(io_mode="buffered"), sink_for, ordered=ordered)
+    run = Run(checkpoint, list(checkpoint.refs()), settings, sink_for, ordered=ordered, storage=storage)
     return run, sinks
 
 

@@ -22,7 +22,7 @@ import torch
 from conftest import KiB, MiB, Written, assert_same, config, file_layout, random_tensor, write_checkpoint
 
 import streamer
-import streamer.checkpoint
+import streamer.backends.local
 from streamer import (
     ConfigError,
     DeviceError,
@@ -104,8 +104,8 @@ def test_index_referencing_a_missing_shard_fails_before_any_read(
     assert small.index is not None
     small.shards[1].unlink()
     reads: list[str] = []
-    real = streamer.checkpoint.read_header
-    monkeypatch.setattr(streamer.checkpoint, "read_header", lambda p: reads.append(p) or real(p))
+    real = streamer.backends.local.read_front
+    monkeypatch.setattr(streamer.backends.local, "read_front", lambda p, n: reads.append(p) or real(p, n))
     with pytest.raises(SourceError) as info:
         streamer.open(small.index)
     assert info.value.path == str(small.index)

@@ -59,12 +59,10 @@ def resolve(source: str) -> Checkpoint:
         raise SourceProblem(str(exc)) from None
     except (S3Error, ImportError) as exc:
         raise SourceUnreachable(f"{source}: {exc}") from None
-    try:
-        entries = [ref.entry for ref in opened.refs()]
-        objects = {str(o.uri): o.size for o in opened.objects if o is not None}
-        files = [] if objects else [Path(p).resolve() for p in opened.paths]
-    finally:
-        opened.close()
+    entries = [ref.entry for ref in opened.refs()]
+    remote = source.startswith("s3://")
+    objects = {h.path: h.file_size for h in opened.headers} if remote else {}
+    files = [] if remote else [Path(p).resolve() for p in opened.paths]
     return Checkpoint(
         source=source,
         files=files,

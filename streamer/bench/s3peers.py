@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from streamer.backends.s3 import parse_uri
+from streamer.backends.s3.uri import parse_uri
 from streamer.config import S3Config
 
 MiB = 1 << 20

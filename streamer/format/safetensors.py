@@ -13,8 +13,8 @@ the file and, where there is one, the tensor; a file shorter than its header say
 ``TruncatedFileError`` (both a ``HeaderError`` and a ``ReadError``). The one deliberate
 difference: a JSON key that appears twice (a tensor name, a metadata key, an entry's field) is
 rejected, where safetensors keeps the last one silently or ignores it.
-``header_length`` and ``parse_header`` are pure (remote sources call them with fetched bytes);
-only ``read_header`` touches the file system.
+``header_end`` and ``parse_front`` are pure (every storage's headers go through them);
+``read_front`` and ``read_range`` are the local file system's reads.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from streamer.format.dtypes import DTYPES, NO_TORCH_DTYPE, DType
 
 MAX_HEADER_BYTES = 100_000_000  # the same cap safetensors applies
 PREFIX_BYTES = 8
+LOCAL_FRONT_BYTES = 1 << 16  # a local header read starts with this many bytes: one pread for most files
 METADATA_KEY = "__metadata__"
 
 _MISSING = object()
@@ -121,8 +122,27 @@ def parse_header(header: bytes, *, path: str, file_size: int) -> FileHeader:
     return FileHeader(path, file_size, data_start, tuple(entries), metadata)
 
 
-def read_header(path: str | os.PathLike[str]) -> FileHeader:
-    """Read and validate the header of a local file; ``SourceError`` if it cannot be read at all."""
+def header_end(front: bytes, *, path: str, file_size: int) -> int:
+    """How many bytes from the start of the file hold its header (the length prefix and the JSON),
+    from its first bytes ``front`` (at least the prefix)."""
+    return PREFIX_BYTES + header_length(front[:PREFIX_BYTES], path=path, file_size=file_size)
+
+
+def parse_front(data: bytes, *, path: str, file_size: int) -> FileHeader:
+    """The header of a file whose first bytes are ``data``: every storage's headers are parsed
+    here. ``data`` holds ``header_end`` bytes, or fewer when the file was cut while being read."""
+    n = header_end(data, path=path, file_size=file_size) - PREFIX_BYTES
+    header = data[PREFIX_BYTES : PREFIX_BYTES + n]
+    if len(header) != n:
+        raise TruncatedFileError(
+            f"file ended after {len(header)} of {n} header bytes (truncated while reading?)", path=path
+        )
+    return parse_header(header, path=path, file_size=file_size)
+
+
+def read_front(path: str | os.PathLike[str], nbytes: int) -> tuple[bytes, int]:
+    """Up to ``nbytes`` from the start of a local regular file, and its size; ``SourceError`` if it
+    cannot be read at all."""
     name = os.fspath(path)
     try:
         # O_NONBLOCK: opening a FIFO must not hang; it is then rejected as not a regular file.
@@ -135,17 +155,30 @@ def read_header(path: str | os.PathLike[str]) -> FileHeader:
             raise SourceError("is a directory, not a safetensors file", path=name)
         if not stat.S_ISREG(info.st_mode):
             raise SourceError("not a regular file", path=name)
-        n = header_length(_pread(fd, PREFIX_BYTES, 0), path=name, file_size=info.st_size)
-        header = _pread(fd, n, PREFIX_BYTES)
+        return _pread(fd, min(nbytes, info.st_size), 0), info.st_size
     except OSError as e:
         raise SourceError(f"cannot read file: {_reason(e)}", path=name) from e
     finally:
         os.close(fd)
-    if len(header) != n:
-        raise TruncatedFileError(
-            f"file ended after {len(header)} of {n} header bytes (truncated while reading?)", path=name
-        )
-    return parse_header(header, path=name, file_size=info.st_size)
+
+
+def read_range(path: str, begin: int, end: int) -> bytes:
+    """Bytes ``[begin, end)`` of a local file; shorter only where it ends early."""
+    try:
+        with open(path, "rb", buffering=0) as file:
+            return _pread(file.fileno(), end - begin, begin)
+    except OSError as e:
+        raise SourceError(f"cannot read file: {_reason(e)}", path=path) from e
+
+
+def read_header(path: str | os.PathLike[str]) -> FileHeader:
+    """Read and validate the header of a local file; ``SourceError`` if it cannot be read at all."""
+    name = os.fspath(path)
+    data, size = read_front(name, LOCAL_FRONT_BYTES)
+    end = header_end(data, path=name, file_size=size)
+    if len(data) < end:
+        data += read_range(name, len(data), end)
+    return parse_front(data, path=name, file_size=size)
 
 
 # --- helpers ---------------------------------------------------------------------------------

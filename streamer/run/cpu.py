@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 
-from streamer.checkpoint import Checkpoint
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.cpu import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
@@ -33,7 +32,7 @@ class CpuSink:
     """Reads a selection into CPU buffers; unit ``i`` is the ``i``-th tensor that has bytes."""
 
     def __init__(
-        self, checkpoint: Checkpoint, config: StreamerConfig, selection: Selection, metrics: LoadMetrics
+        self, config: StreamerConfig, selection: Selection, metrics: LoadMetrics, *, one_receiver: bool
     ) -> None:
         self._refs = selection.refs
         self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
@@ -55,10 +54,9 @@ class CpuSink:
                 self._segment_of_unit[unit] = index
         self._budget = MemoryBudget(budget.limit)
         self._pool = BufferPool(self._budget, hugepages=config.hugepages)
-        # One thread (the S3 event loop) receives every byte of an S3 object: fault its fresh
-        # buffers in elsewhere, ahead of the bytes (see Prefaulter).
-        reads_s3 = any(checkpoint.object_of(file) is not None for file in selection.files)
-        self._prefaulter = Prefaulter() if reads_s3 else None
+        # One thread (e.g. the S3 event loop) receives every byte (``Storage.one_receiver``):
+        # fault fresh buffers in elsewhere, ahead of the bytes (see Prefaulter).
+        self._prefaulter = Prefaulter() if one_receiver and selection.files else None
         # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
         self._common_capacity = (
             0

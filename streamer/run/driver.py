@@ -20,13 +20,12 @@ from typing import Protocol
 
 import torch
 
+from streamer.backends.base import Storage
 from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import StreamerConfig
 from streamer.engine import native
-from streamer.errors import StreamerError
 from streamer.metrics import LoadMetrics
-from streamer.pipeline import engine_error, start_engine
-from streamer.reader import Reader
+from streamer.reader import Reader, open_reader
 from streamer.selection import Selection, run_then_close
 
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
@@ -81,7 +80,7 @@ SinkFor = Callable[[Selection, LoadMetrics], Sink]
 
 
 class Run:
-    """Reads ``refs`` once into the sink that ``sink_for`` makes.
+    """Reads ``refs`` once, from ``storage`` into the sink that ``sink_for`` makes.
 
     Iterate ``results()``; ``close()`` is idempotent.
     """
@@ -94,8 +93,10 @@ class Run:
         sink_for: SinkFor,
         *,
         ordered: bool,
+        storage: Storage,
     ) -> None:
         self._checkpoint = checkpoint
+        self._storage = storage
         self._config = config
         self._ordered = ordered
         selection = Selection.of(refs)
@@ -130,7 +131,9 @@ class Run:
         self._started = True
         sink = self._sink
         units = sink.plan()
-        self._reader = reader = start_engine(self._checkpoint, self._files, self._config, units, self.metrics)
+        self._reader = reader = open_reader(
+            self._storage, self._checkpoint, self._files, self._config, units, self._named, self.metrics
+        )
         ready: deque[int] = deque()  # whole, in completion order
         pending: set[int] = set()  # ordered: whole, waiting for their turn
         complete = pending.update if self._ordered else ready.extend
@@ -153,10 +156,7 @@ class Run:
                 break
             if sink.reading:
                 waited = time.perf_counter()
-                try:
-                    finished = reader.wait(_POLL_MS if sink.busy else _WAIT_MS)
-                except native.EngineFailure as failure:
-                    raise self._error(failure) from None
+                finished = reader.wait(_POLL_MS if sink.busy else _WAIT_MS)  # raises the run's typed error
                 self.metrics.add_wait(time.perf_counter() - waited, blocked)
                 sink.on_read(finished)
             else:
@@ -165,11 +165,5 @@ class Run:
 
     def _submit(self, blocks: Sequence[native.Block], base: int) -> None:
         assert self._reader is not None
-        try:
-            self._reader.submit([block._replace(dst=base + block.dst) for block in blocks])
-        except native.EngineFailure as failure:
-            raise self._error(failure) from None
+        self._reader.submit([block._replace(dst=base + block.dst) for block in blocks])
         self.metrics.blocks += len(blocks)
-
-    def _error(self, failure: native.EngineFailure) -> StreamerError:
-        return engine_error(self._checkpoint, self._files, self._named, failure.info)

@@ -1,5 +1,6 @@
-"""Where a checkpoint's files are: resolve what the user passed into a list of files."""
+"""Where a checkpoint's files are: the rules every storage resolves a source by (lists, directories
+or prefixes, ``*.index.json`` and its weight map); local paths are resolved in ``local.py``."""
 
-from streamer.sources.local import ResolvedSource, SourceLike, resolve
+from streamer.sources.local import INDEX_SUFFIX, ResolvedSource, SourceLike, parse_index, resolve, uri_scheme
 
-__all__ = ["ResolvedSource", "SourceLike", "resolve"]
+__all__ = ["INDEX_SUFFIX", "ResolvedSource", "SourceLike", "parse_index", "resolve", "uri_scheme"]

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamer.errors import SourceError
+from streamer.errors import SourceError, StreamerError
 
 SourceLike = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
 INDEX_SUFFIX = ".index.json"
+_URI = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,8 @@ def resolve(source: SourceLike) -> ResolvedSource:
     """Turns a user's source into files; nothing is read but directory listings and the index."""
     if isinstance(source, (str, os.PathLike)):
         text = os.fspath(source)
-        if text.startswith("s3://"):
-            raise SourceError("S3 sources are not supported by this version", path=text)
+        if uri_scheme(text) is not None:  # streamer.backends sends URIs to their own storage
+            raise StreamerError("a URI reached local file resolution", path=text)
         path = Path(text)
         if path.is_dir():
             return _resolve_directory(path)
@@ -42,6 +44,12 @@ def resolve(source: SourceLike) -> ResolvedSource:
     if len(set(paths)) != len(paths):
         raise SourceError("the list of checkpoint files names a file twice")
     return ResolvedSource(paths=tuple(_existing_file(Path(p)) for p in paths))
+
+
+def uri_scheme(text: str) -> str | None:
+    """The scheme of ``text`` if it is a URI (``s3://...``), None for a local path."""
+    match = _URI.match(text)
+    return match.group(1) if match else None
 
 
 def _existing_file(path: Path) -> str:

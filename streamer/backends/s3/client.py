@@ -2,11 +2,8 @@
 
 ``S3Client`` owns the loop, its thread and the client; ``close()`` cancels what is still running,
 closes the client (and with it every connection), stops the loop and joins the thread.
-``S3Feeder`` serves the blocks of S3 files for one run: a fixed number of worker tasks (the
-``concurrency``) pull blocks from a queue, fetch each with a ranged GET whose body is copied chunk
-by chunk straight into the block's destination memory, and credit the block to the native engine
-exactly as a reader thread would; a failure is reported to the engine, so the run's waiter wakes
-as for a failed local read.
+Its requests are the header reads, listings and small objects of ``storage.py`` and the data
+path's ``fetch_into`` (used by ``feeder.py``); failures are classified by ``classify.py``.
 
 Each request is retried on throttling, 5xx, connection errors, timeouts and short bodies, for the
 bytes no verified response delivered only, with exponential backoff and full jitter, until
@@ -25,262 +22,44 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import random
 import ssl
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from streamer.backends.http import (
     Connection,
-    HttpFailure,
-    ProtocolViolation,
-    ProxyError,
-    SizeChanged,
     Target,
-    UnsupportedProxy,
     bounded,
     content_range,
     ssl_context,
 )
+from streamer.backends.s3.classify import (
+    CHANGED,
+    GONE_CODES,
+    REDIRECT_CODES,
+    REDIRECTS,
+    Fatal,
+    Retry,
+    check_encoding,
+    classify,
+    if_match,
+    normal_etag,
+)
+from streamer.backends.s3.redact import REDACTOR
+from streamer.backends.s3.uri import ObjectInfo, S3Uri
 from streamer.config import S3Config
-from streamer.engine import native
-from streamer.errors import ConfigError, S3Error, S3SourceError, SourceError
+from streamer.errors import ConfigError, S3Error, S3SourceError
 
 T = TypeVar("T")
 
-SCHEME = "s3://"
-_RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_RETRYABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequests",
-        "RequestLimitExceeded",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-    }
-)
 _PRESIGN_SECONDS = 3600
-_CHANGED = "the object changed during the load (its ETag or size is not the header's)"
 _LIST_PAGE_BYTES = 1 << 20  # a ListObjectsV2 page's size bound, for its attempt deadline
-_GONE_CODES = frozenset(
-    {"NoSuchKey", "NoSuchBucket", "AccessDenied", "NotFound", "Forbidden", "NoCredentials"}
-)
 
 
-@dataclass(frozen=True)
-class S3Uri:
-    bucket: str
-    key: str
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}"
-
-
-def parse_uri(text: str) -> S3Uri:
-    """``s3://bucket/key`` (the key may be empty or end with ``/`` for a prefix)."""
-    if not text.startswith(SCHEME):
-        raise SourceError("not an S3 URI (expected s3://bucket/key)", path=text)
-    bucket, _, key = text[len(SCHEME) :].partition("/")
-    if not bucket or any(c in bucket for c in " \\?#") or bucket in (".", ".."):
-        raise SourceError("bad S3 URI: no valid bucket name (expected s3://bucket/key)", path=text)
-    if "\0" in key:
-        raise SourceError("bad S3 URI: the key contains a NUL byte", path=text)
-    return S3Uri(bucket, key)
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """An object as its header read saw it; later reads must see the same size and ETag."""
-
-    uri: S3Uri
-    size: int
-    etag: str | None
-
-
-class _Retry(Exception):
-    """One try failed in a way worth another."""
-
-    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.status, self.code = reason, status, code
-
-
-class _Fatal(Exception):
-    """One try failed in a way no retry can fix."""
-
-    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.status, self.code = reason, status, code
-
-
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
-_REDIRECT_CODES = frozenset({"PermanentRedirect", "TemporaryRedirect", "Redirect"})
-
-
-def _classify_status(
-    status: int | None, code: str | None, elsewhere: Mapping[str, str | None] | None = None
-) -> _Retry | _Fatal:
-    if status in _REDIRECTS or code in _REDIRECT_CODES:
-        hints = {k: v for k, v in (elsewhere or {}).items() if v}
-        where = ", ".join(f"{k} {v}" for k, v in hints.items()) or "another region or endpoint"
-        reason = f"the bucket is elsewhere ({where}): set S3Config.region / endpoint_url to it"
-        return _Fatal(reason, status, code)
-    if status in _RETRYABLE_STATUS or code in _RETRYABLE_CODES or (status or 0) >= 500:
-        return _Retry("the server asked to retry", status, code)
-    if status == 412 or code == "PreconditionFailed":
-        return _Fatal(_CHANGED, status, code)
-    if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
-        what = "bucket" if code == "NoSuchBucket" else "object"
-        return _Fatal(f"no such {what}", status, code)
-    if status == 403 or code in ("AccessDenied", "Forbidden"):
-        return _Fatal("access denied", status, code)
-    if status is not None and 200 <= status < 300:
-        return _Retry("an unusable response (no Content-Length, or not the range asked for)", status, code)
-    return _Fatal("request refused", status, code)
-
-
-def _classify_proxy(status: int, reason: str) -> _Retry | _Fatal:
-    """A proxy's answer to a tunnel request: its 5xx may pass, its 403 or 407 will not."""
-    return _Retry(reason, status) if status >= 500 else _Fatal(reason, status)
-
-
-def _classify(exc: Exception) -> _Retry | _Fatal:
-    import ssl
-
-    import aiohttp
-    import botocore.exceptions as be
-
-    if isinstance(exc, (_Retry, _Fatal)):
-        return exc
-    if isinstance(exc, HttpFailure):
-        elsewhere = {
-            "region": exc.headers.get("x-amz-bucket-region") or exc.fields.get("Region"),
-            "endpoint": exc.fields.get("Endpoint"),
-        }
-        return _classify_status(exc.status, exc.code, elsewhere)
-    if isinstance(exc, ProtocolViolation):
-        return _Fatal(str(exc)) if exc.fatal else _Retry(str(exc))
-    if isinstance(exc, SizeChanged):
-        return _Fatal(f"{_CHANGED}: {exc}")
-    if isinstance(exc, ProxyError):
-        return _classify_proxy(exc.status, str(exc))
-    if isinstance(exc, UnsupportedProxy):
-        return _Fatal(str(exc))
-    if isinstance(exc, be.ClientError):
-        response: Mapping[str, Any] = exc.response
-        error = response.get("Error", {})
-        meta = response.get("ResponseMetadata", {})
-        elsewhere = {
-            "region": meta.get("HTTPHeaders", {}).get("x-amz-bucket-region") or error.get("Region"),
-            "endpoint": error.get("Endpoint"),
-        }
-        return _classify_status(meta.get("HTTPStatusCode"), error.get("Code"), elsewhere)
-    if isinstance(exc, (be.NoCredentialsError, be.PartialCredentialsError)):
-        return _Fatal(
-            "no usable credentials (set them, or use anonymous access for public buckets)",
-            None,
-            "NoCredentials",
-        )
-    if isinstance(exc, be.ProxyConnectionError):  # the client's own requests: a tunnel refused, or no proxy
-        status = getattr(exc.kwargs.get("error"), "status", None)
-        if isinstance(status, int):
-            return _classify_proxy(status, f"the proxy refused the tunnel: HTTP {status}")
-        return _Retry(f"proxy failure: {exc}")
-    if isinstance(exc, (be.SSLError, ssl.SSLCertVerificationError)):
-        return _Fatal(f"TLS failure: {type(exc).__name__}")
-    if isinstance(exc, (be.HTTPClientError, be.ConnectionError, be.IncompleteReadError)):
-        return _Retry(f"connection failure: {type(exc).__name__}")
-    if isinstance(exc, be.BotoCoreError):
-        return _Fatal(f"{type(exc).__name__}: {exc}")
-    if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, ConnectionError, OSError)):
-        return _Retry(f"connection failure: {type(exc).__name__}")
-    return _Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
-
-
-def _check_encoding(response: Mapping[str, Any]) -> None:
-    encoding = (response.get("ContentEncoding") or "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise _Fatal(f"the server encoded the body (Content-Encoding: {encoding[:40]})")
-
-
-def _etag(text: str | None) -> str | None:
-    """An ETag compared as S3 means it: quotes and a weak ``W/`` prefix do not make it another."""
-    if text is None:
-        return None
-    value = text.strip().removeprefix("W/").strip().strip('"')
-    return value or None
-
-
-def _if_match(etag: str | None) -> str | None:
-    """The ``If-Match`` for an ETag: quoted; none for a weak one, which If-Match never matches
-    (RFC 9110 compares strongly), so that only the returned ETag is compared."""
-    value = _etag(etag)
-    if value is None or etag is None or etag.strip().startswith("W/"):
-        return None
-    return f'"{value}"'
-
-
-class _Redactor(logging.Filter):
-    """Masks the credentials of open clients in botocore's DEBUG records.
-
-    botocore logs the canonical request (with ``X-Amz-Security-Token``) and the prepared
-    request's headers (the access key id in ``Authorization``) at DEBUG level. The filter only
-    rewrites records that contain a credential of a client open right now; anything else passes
-    unchanged, so installing it changes nothing else about those loggers.
-    """
-
-    _LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._lock = threading.Lock()
-        self._secrets: dict[str, int] = {}
-        self._installed = False
-
-    def add(self, secrets: Sequence[str]) -> None:
-        with self._lock:
-            if not self._installed:
-                self._installed = True
-                for name in self._LOGGERS:
-                    logging.getLogger(name).addFilter(self)
-            for secret in secrets:
-                self._secrets[secret] = self._secrets.get(secret, 0) + 1
-
-    def remove(self, secrets: Sequence[str]) -> None:
-        with self._lock:
-            for secret in secrets:
-                left = self._secrets.get(secret, 0) - 1
-                if left > 0:
-                    self._secrets[secret] = left
-                else:
-                    self._secrets.pop(secret, None)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        secrets = list(self._secrets)
-        if not secrets:
-            return True
-        try:
-            message = record.getMessage()
-        except Exception:
-            return True
-        if any(secret in message for secret in secrets):
-            for secret in secrets:
-                message = message.replace(secret, "***")
-            record.msg, record.args = message, None
-        return True
-
-
-_REDACTOR = _Redactor()
-
-
-async def _cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
     """Cancels the tasks and waits until every one has ended.
 
     Cancelling again until they are gone: on Python < 3.12, ``asyncio.wait_for`` can swallow a
@@ -339,7 +118,7 @@ class S3Client:
             for secret in (config.access_key_id, config.secret_access_key, config.session_token)
             if secret and not config.anonymous
         ]
-        _REDACTOR.add(self._secrets)
+        REDACTOR.add(self._secrets)
         refused: ConfigError | None = None
         try:
             self.call(self._open(pool if pool is not None else config.concurrency))
@@ -417,7 +196,7 @@ class S3Client:
             return
         frozen = await resolved.get_frozen_credentials()
         found = [s for s in (frozen.access_key, frozen.secret_key, frozen.token) if s]
-        _REDACTOR.add(found)
+        REDACTOR.add(found)
         self._secrets = [*self._secrets, *found]
 
     def close(self) -> None:
@@ -431,11 +210,11 @@ class S3Client:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join()
         self.loop.close()
-        _REDACTOR.remove(self._secrets)
+        REDACTOR.remove(self._secrets)
 
     async def _shutdown(self) -> None:
         current = asyncio.current_task()
-        await _cancel_all([t for t in asyncio.all_tasks() if t is not current])
+        await cancel_all([t for t in asyncio.all_tasks() if t is not current])
         context, self._context, self._client = self._context, None, None
         if context is not None:
             await context.__aexit__(None, None, None)
@@ -474,7 +253,7 @@ class S3Client:
             cut_by_deadline = until is not None and until - time.monotonic() < budget
             if until is not None:
                 budget = min(budget, until - time.monotonic())
-            failure: _Retry | _Fatal
+            failure: Retry | Fatal
             tried = time.monotonic()
             try:
                 if budget <= 0:
@@ -483,12 +262,12 @@ class S3Client:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                failure = _classify(exc)
+                failure = classify(exc)
                 if isinstance(exc, TimeoutError) and time.monotonic() - tried >= budget:
                     if cut_by_deadline:
-                        failure = _Fatal(f"the load deadline of {c.load_deadline:g} s passed")
+                        failure = Fatal(f"the load deadline of {c.load_deadline:g} s passed")
                     else:
-                        failure = _Retry(f"the try ran past its {budget:.3g} s (S3Config.min_rate)")
+                        failure = Retry(f"the try ran past its {budget:.3g} s (S3Config.min_rate)")
             where: dict[str, Any] = {
                 "bucket": uri.bucket,
                 "key": uri.key,
@@ -497,10 +276,10 @@ class S3Client:
                 "code": failure.code,
                 "attempts": attempts,
             }
-            if isinstance(failure, _Fatal):
+            if isinstance(failure, Fatal):
                 gone = source_errors and (
-                    failure.status in (403, 404, 407, *_REDIRECTS)
-                    or failure.code in _GONE_CODES | _REDIRECT_CODES
+                    failure.status in (403, 404, 407, *REDIRECTS)
+                    or failure.code in GONE_CODES | REDIRECT_CODES
                 )
                 raise (S3SourceError if gone else S3Error)(failure.reason, **where)
             delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
@@ -520,13 +299,13 @@ class S3Client:
 
         Without an ETag on both sides nothing proves it: an error, unless ``require_etag`` is off.
         """
-        got, expected = _etag(etag), _etag(info.etag)
+        got, expected = normal_etag(etag), normal_etag(info.etag)
         if got is not None and expected is not None:
             if got != expected:
-                raise _Fatal(_CHANGED)
+                raise Fatal(CHANGED)
             return True
         if self.config.require_etag:
-            raise _Fatal(
+            raise Fatal(
                 "the server sent no ETag, so the object's version cannot be verified "
                 "(S3Config.require_etag=False accepts that risk)"
             )
@@ -549,23 +328,23 @@ class S3Client:
                 raise
             body = response["Body"]
             try:
-                _check_encoding(response)
+                check_encoding(response)
                 status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
                 span = content_range(response.get("ContentRange"))
                 if span is not None:
                     size = span[2]
                     if span[:2] != (0, min(length, size) - 1):
-                        raise _Retry(
+                        raise Retry(
                             f"the server sent bytes {span[0]}-{span[1]}, not 0-{min(length, size) - 1}"
                         )
                 elif status == 200:
                     size = int(response["ContentLength"])
                 else:
-                    raise _Retry(f"an HTTP {status} without a valid Content-Range")
+                    raise Retry(f"an HTTP {status} without a valid Content-Range")
                 want = min(length, size)
                 length_given = response.get("ContentLength")  # none for a chunked body
                 if span is not None and length_given is not None and length_given != want:
-                    raise _Retry(f"a Content-Length of {length_given}, not {want}")
+                    raise Retry(f"a Content-Length of {length_given}, not {want}")
                 info = ObjectInfo(uri, size, response.get("ETag"))
                 if info.etag is None and self.config.require_etag:
                     self._check_etag(info, None)
@@ -573,7 +352,7 @@ class S3Client:
                 while len(data) < want:
                     chunk = await body.read(want - len(data))
                     if not chunk:
-                        raise _Retry(f"short body: {len(data)} of {want} bytes")
+                        raise Retry(f"short body: {len(data)} of {want} bytes")
                     data += chunk
             finally:
                 body.close()
@@ -602,7 +381,7 @@ class S3Client:
         async def once() -> None:
             nonlocal done
             start = begin + done
-            condition = _if_match(info.etag)
+            condition = if_match(info.etag)
             options: dict[str, Any] = {"IfMatch": condition} if condition else {}
             self.requests += 1
             response = await self._client.get_object(
@@ -612,22 +391,22 @@ class S3Client:
             received = 0
             trusted = False
             try:
-                _check_encoding(response)
+                check_encoding(response)
                 span = content_range(response.get("ContentRange"))
                 if span is not None and span[2] != info.size:
-                    raise _Fatal(_CHANGED)
+                    raise Fatal(CHANGED)
                 if span is None and not (start == 0 and end == info.size):
-                    raise _Retry("the server ignored the byte range, or sent no valid Content-Range")
+                    raise Retry("the server ignored the byte range, or sent no valid Content-Range")
                 if span is not None and span[:2] != (start, end - 1):
-                    raise _Retry(f"the server sent bytes {span[0]}-{span[1]}, not {start}-{end - 1}")
+                    raise Retry(f"the server sent bytes {span[0]}-{span[1]}, not {start}-{end - 1}")
                 length_given = response.get("ContentLength")  # none for a chunked body
                 if length_given is not None and length_given != total - done:
-                    raise _Retry(f"a Content-Length of {length_given}, not {total - done}")
+                    raise Retry(f"a Content-Length of {length_given}, not {total - done}")
                 trusted = self._check_etag(info, response.get("ETag"))
                 while done + received < total:
                     chunk = await body.read(total - done - received)
                     if not chunk:
-                        raise _Retry(f"short body: the response ended {total - done - received} bytes early")
+                        raise Retry(f"short body: the response ended {total - done - received} bytes early")
                     n = len(chunk)
                     view[done + received : done + received + n] = chunk
                     received += n
@@ -673,7 +452,7 @@ class S3Client:
         """``read_into`` on the fast path: the body is received straight into ``view``."""
         uri = info.uri
         done = 0
-        condition = _if_match(info.etag)
+        condition = if_match(info.etag)
         headers = {"If-Match": condition} if condition else {}
 
         def verify(response_headers: Mapping[str, str]) -> bool:
@@ -738,8 +517,8 @@ class S3Client:
 
 
 class ClientHolder:
-    """The S3 client of one opened checkpoint: made on first use, reused by its runs, closed with
-    the checkpoint (and made again if a closed checkpoint is read once more)."""
+    """The S3 client of one storage session: made on first use, reused by every run of the handle,
+    closed with it (and made again if a closed handle is read once more)."""
 
     def __init__(self, config: S3Config) -> None:
         self.config = config
@@ -757,96 +536,3 @@ class ClientHolder:
             client, self._client = self._client, None
         if client is not None:
             client.close()
-
-
-class S3Feeder:
-    """Fetches the blocks of S3 files for one run and credits them to ``engine``.
-
-    ``objects`` maps engine file indices to the objects they are. ``submit`` may be called from
-    the run's thread at any time; ``close`` (before the engine closes) cancels what is queued or
-    running and returns once no request can write into destination memory any more.
-    """
-
-    def __init__(self, client: S3Client, engine: native.Engine, objects: Mapping[int, ObjectInfo]) -> None:
-        self._client = client
-        self._engine = engine
-        self._objects = dict(objects)
-        self.error: S3Error | None = None
-        self._queue: asyncio.Queue[native.Block] | None = None
-        self._workers: list[asyncio.Task[None]] = []
-        self._closed = False
-        deadline = client.config.load_deadline
-        self._until = None if deadline is None else time.monotonic() + deadline
-        client.call(self._start(client.config.concurrency))
-
-    async def _start(self, concurrency: int) -> None:
-        self._queue = asyncio.Queue()
-        self._workers = [asyncio.create_task(self._work()) for _ in range(concurrency)]
-
-    def submit(self, blocks: Sequence[native.Block]) -> None:
-        if self.error is not None:
-            raise self.error
-        batch = list(blocks)
-        self._client.loop.call_soon_threadsafe(self._enqueue, batch)
-
-    def _enqueue(self, blocks: list[native.Block]) -> None:
-        assert self._queue is not None
-        for block in blocks:
-            self._queue.put_nowait(block)
-
-    async def _work(self) -> None:
-        connection = self._client.connection()
-        try:
-            await self._work_on(connection)
-        finally:
-            connection.close()
-
-    async def _work_on(self, connection: Connection) -> None:
-        assert self._queue is not None
-        queue = self._queue
-        while True:
-            block = await queue.get()
-            if self.error is not None:
-                continue  # the run failed: drop the rest
-            info = self._objects[block.file]
-            # Only the credited bytes are needed: the planner's alignment padding is for O_DIRECT.
-            begin, end = block.acc_begin, block.acc_end
-            view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
-            try:
-                await self._client.fetch_into(connection, info, begin, end, view, until=self._until)
-            except S3Error as error:
-                self._fail(error, block)
-                continue
-            except Exception as exc:  # a bug must still end the run, never hang it
-                self._fail(
-                    S3Error(
-                        f"unexpected failure: {type(exc).__name__}: {exc}",
-                        bucket=info.uri.bucket,
-                        key=info.uri.key,
-                        byte_range=(begin, end),
-                    ),
-                    block,
-                )
-                continue
-            finally:
-                view.release()
-            self._engine.credit(block)
-
-    def _fail(self, error: S3Error, block: native.Block) -> None:
-        if self.error is None:
-            self.error = error
-        self._engine.fail(
-            native.ErrorInfo(
-                native.ERR_EXTERNAL, 0, block.file, block.acc_begin, block.acc_end - block.acc_begin, 0
-            )
-        )
-
-    def close(self) -> None:
-        """Cancels every worker and waits until they are gone. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._client.call(self._stop())
-
-    async def _stop(self) -> None:
-        workers, self._workers = self._workers, []
-        await _cancel_all(workers)

@@ -1,0 +1,159 @@
+"""The storage contract: what every place a checkpoint can live in implements.
+
+A ``Storage`` is one open session with a storage, owned by the handle that opened it (for S3: a
+client, ~0.1 s to make, reused by every run of the handle; closed with it). It resolves a source
+into files and reads the front of each (its size and, usually, its whole header; the header is
+parsed by ``checkpoint.read_checkpoint``, the same for every storage). For each run it registers
+the run's files with the native engine and returns a ``Feed`` that serves their blocks:
+
+- the local storage hands the files to the engine's own reader threads (``pread``, O_DIRECT);
+- any other storage registers external files and fetches each block itself, straight into the
+  run's buffers, crediting it to the engine as it lands (``ExternalFeed``). The engine counts
+  bytes, queues whole tensors and wakes the run, whatever storage filled them.
+
+A failure inside a feed stops the engine (``fail``: "an external failure") and is kept as the
+feed's own typed error; ``reader.Reader`` raises that error, the one route to the caller.
+"""
+
+from __future__ import annotations
+
+import bisect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Protocol
+
+from streamer.engine import native
+from streamer.errors import StreamerError
+from streamer.sources import ResolvedSource, SourceLike
+
+
+class StoredFile(Protocol):
+    """One file of a checkpoint as its storage saw it when it read the front (frozen data)."""
+
+    @property
+    def path(self) -> str:
+        """What errors and ``FileHeader.path`` call it: a local path or a URI."""
+        ...
+
+    @property
+    def size(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Front:
+    """The first ``min(size, header_bytes)`` bytes of a file (fewer only if it was cut while read)."""
+
+    file: StoredFile
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A resolved source: its files in checkpoint order, each with its front."""
+
+    source: ResolvedSource
+    fronts: tuple[Front, ...]
+
+
+Range = tuple[StoredFile, int, int]  # a file and the bytes [begin, end) of it
+Span = tuple[int, int]  # bytes [begin, end) of a file
+Named = Sequence[tuple[native.Unit, str]]  # a run's tensors (engine numbering, by file and offset), named
+
+
+class Feed(ABC):
+    """A storage's part of one run: serves the blocks of the run's files (engine files 0..n-1)."""
+
+    @abstractmethod
+    def submit(self, blocks: Sequence[native.Block]) -> None:
+        """Queues blocks; each lands in its ``dst`` and is credited to the engine."""
+
+    @property
+    def error(self) -> StreamerError | None:
+        """The typed error this feed stopped the run with (``native.ERR_EXTERNAL``), if any."""
+        return None
+
+    @abstractmethod
+    def stats(self) -> dict[str, int]:
+        """This run's storage counters, named as ``LoadMetrics`` reports them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Returns once nothing of this feed can write into the run's buffers. Idempotent."""
+
+
+class Storage(ABC):
+    """One open session with a storage. Use as a context manager or ``close()``."""
+
+    reads_in_engine = False  # True: the engine's reader threads read the bytes (it needs a pool of them)
+    one_receiver = False  # True: one thread receives every byte; fresh buffers are faulted in elsewhere
+
+    @abstractmethod
+    def open(self, source: SourceLike) -> Opened:
+        """Resolves ``source`` into files (directory/prefix listing, index rules) and reads each front."""
+
+    @abstractmethod
+    def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
+        """The bytes of each range (all at once where the storage can); a range comes back short
+        only when its file ended early."""
+
+    @abstractmethod
+    def feed(
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+    ) -> Feed:
+        """Registers ``files`` with ``engine`` as its files 0..n-1 and returns the feed serving them.
+
+        ``spans[i]`` is the part of file i this run reads (for choosing how to read it);
+        ``tensors`` name the place of a failure (``tensor_at``).
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Releases the session (threads, connections); a later read may open it again. Idempotent."""
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class ExternalFeed(Feed):
+    """A feed that fetches blocks outside the engine: its files are external files of the engine,
+    each fetched block is credited, and the first failure stops the run (the rest are dropped)."""
+
+    def __init__(self, engine: native.Engine, count: int) -> None:
+        for expected in range(count):
+            index = engine.add_external_file()
+            if index != expected:
+                raise StreamerError(f"engine numbered external file {index}, expected {expected}")
+        self._engine = engine
+        self._error: StreamerError | None = None
+
+    @property
+    def error(self) -> StreamerError | None:
+        return self._error
+
+    def credit(self, block: native.Block) -> bool:
+        """Reports ``block`` as landed; False once the run has stopped."""
+        return self._engine.credit(block)
+
+    def fail(self, error: StreamerError, block: native.Block) -> None:
+        """Stops the run with ``error`` (the first one wins); the run's waiter wakes and raises it."""
+        if self._error is None:
+            self._error = error
+        self._engine.fail(
+            native.ErrorInfo(
+                native.ERR_EXTERNAL, 0, block.file, block.acc_begin, block.acc_end - block.acc_begin, 0
+            )
+        )
+
+
+def tensor_at(tensors: Named, engine_file: int, position: int) -> str | None:
+    """The tensor holding byte ``position`` of an engine file, or the next one after it."""
+    in_file = [(unit.end, name) for unit, name in tensors if unit.file == engine_file]
+    found = bisect.bisect_right([end for end, _ in in_file], position)
+    return in_file[found][1] if found < len(in_file) else None

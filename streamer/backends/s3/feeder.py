@@ -1,0 +1,113 @@
+"""The S3 part of one run: worker tasks fetch blocks straight into the run's buffers.
+
+A fixed number of worker tasks (the ``concurrency``) on the client's event loop pull blocks from a
+queue, fetch each with a ranged GET whose body is received straight into the block's destination
+memory, and credit the block to the native engine exactly as a reader thread would; the first
+failure stops the run (``ExternalFeed.fail``), so its waiter wakes as for a failed local read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from streamer.backends.base import ExternalFeed
+from streamer.backends.http import Connection
+from streamer.backends.s3.client import S3Client, cancel_all
+from streamer.backends.s3.uri import ObjectInfo
+from streamer.engine import native
+from streamer.errors import S3Error
+
+
+class S3Feeder(ExternalFeed):
+    """Fetches the blocks of ``objects`` (engine files 0..n-1) for one run and credits them.
+
+    ``submit`` may be called from the run's thread at any time; ``close`` (before the engine
+    closes) cancels what is queued or running and returns once no request can write into
+    destination memory any more. Its counters are the run's share of the shared client's.
+    """
+
+    def __init__(self, client: S3Client, engine: native.Engine, objects: Sequence[ObjectInfo]) -> None:
+        super().__init__(engine, len(objects))
+        self._client = client
+        self._objects = tuple(objects)
+        self._counted = (client.requests, client.retries, client.bytes_fetched)
+        self._queue: asyncio.Queue[native.Block] | None = None
+        self._workers: list[asyncio.Task[None]] = []
+        self._closed = False
+        deadline = client.config.load_deadline
+        self._until = None if deadline is None else time.monotonic() + deadline
+        client.call(self._start(client.config.concurrency))
+
+    async def _start(self, concurrency: int) -> None:
+        self._queue = asyncio.Queue()
+        self._workers = [asyncio.create_task(self._work()) for _ in range(concurrency)]
+
+    def submit(self, blocks: Sequence[native.Block]) -> None:
+        if self._error is not None:
+            raise self._error
+        batch = list(blocks)
+        self._client.loop.call_soon_threadsafe(self._enqueue, batch)
+
+    def _enqueue(self, blocks: list[native.Block]) -> None:
+        assert self._queue is not None
+        for block in blocks:
+            self._queue.put_nowait(block)
+
+    async def _work(self) -> None:
+        connection = self._client.connection()
+        try:
+            await self._work_on(connection)
+        finally:
+            connection.close()
+
+    async def _work_on(self, connection: Connection) -> None:
+        assert self._queue is not None
+        queue = self._queue
+        while True:
+            block = await queue.get()
+            if self._error is not None:
+                continue  # the run failed: drop the rest
+            info = self._objects[block.file]
+            # Only the credited bytes are needed: the planner's alignment padding is for O_DIRECT.
+            begin, end = block.acc_begin, block.acc_end
+            view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
+            try:
+                await self._client.fetch_into(connection, info, begin, end, view, until=self._until)
+            except S3Error as error:
+                self.fail(error, block)
+                continue
+            except Exception as exc:  # a bug must still end the run, never hang it
+                self.fail(
+                    S3Error(
+                        f"unexpected failure: {type(exc).__name__}: {exc}",
+                        bucket=info.uri.bucket,
+                        key=info.uri.key,
+                        byte_range=(begin, end),
+                    ),
+                    block,
+                )
+                continue
+            finally:
+                view.release()
+            self.credit(block)
+
+    def stats(self) -> dict[str, int]:
+        client = self._client
+        return {
+            "s3_files": len(self._objects),
+            "requests": client.requests - self._counted[0],
+            "retries": client.retries - self._counted[1],
+            "bytes_fetched": client.bytes_fetched - self._counted[2],
+        }
+
+    def close(self) -> None:
+        """Cancels every worker and waits until they are gone. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._client.call(self._stop())
+
+    async def _stop(self) -> None:
+        workers, self._workers = self._workers, []
+        await cancel_all(workers)

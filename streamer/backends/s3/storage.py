@@ -1,0 +1,140 @@
+"""S3 as a storage: ``s3://bucket/key.safetensors``, ``s3://bucket/prefix/`` and
+``s3://bucket/.../*.index.json``.
+
+Opening lists the prefix or reads the index, then fetches the front of every file, all files at
+once, each with one speculative ranged GET of the first ``header_bytes`` (which also gives the
+object's size and ETag); ``read_ranges`` fetches the rest of a header longer than that. The one
+client (``client.py``) is made on first use and serves every run of the handle (``feeder.py``)
+until ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+
+from streamer.backends.base import Feed, Front, Named, Opened, Range, Span, Storage, StoredFile
+from streamer.backends.s3.client import ClientHolder, S3Client
+from streamer.backends.s3.feeder import S3Feeder
+from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
+from streamer.config import S3Config
+from streamer.engine import native
+from streamer.errors import S3SourceError, SourceError, StreamerError
+from streamer.sources import INDEX_SUFFIX, ResolvedSource, SourceLike, parse_index
+
+_SUFFIX = ".safetensors"
+_HEADER_REQUESTS = 32  # header GETs in flight at once
+
+
+class S3Storage(Storage):
+    """An S3 endpoint as ``config`` describes it; one client, shared by the handle's runs."""
+
+    one_receiver = True  # the client's event loop thread receives every byte
+
+    def __init__(self, config: S3Config) -> None:
+        self._holder = ClientHolder(config)
+
+    def open(self, source: SourceLike) -> Opened:
+        texts = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+        uris = [parse_uri(os.fspath(t)) for t in texts]
+        client = self._holder.get()
+        return client.call(_open(client, uris, single=len(uris) == 1))
+
+    def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
+        if not ranges:
+            return []
+        client = self._holder.get()
+        return client.call(_read_ranges(client, [(_object(file), begin, end) for file, begin, end in ranges]))
+
+    def feed(
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+    ) -> Feed:
+        return S3Feeder(self._holder.get(), engine, [_object(file) for file in files])
+
+    def close(self) -> None:
+        self._holder.close()
+
+
+def _object(file: StoredFile) -> ObjectInfo:
+    if not isinstance(file, ObjectInfo):
+        raise StreamerError("not an S3 object", path=file.path)  # a bug: files come from this storage
+    return file
+
+
+async def _read_ranges(client: S3Client, ranges: list[tuple[ObjectInfo, int, int]]) -> list[bytes]:
+    gate = asyncio.Semaphore(_HEADER_REQUESTS)
+
+    async def read(info: ObjectInfo, begin: int, end: int) -> bytes:
+        async with gate:
+            return await client.get_bytes(info, begin, end, source_errors=True)
+
+    return list(await asyncio.gather(*(read(*r) for r in ranges)))
+
+
+async def _open(client: S3Client, uris: list[S3Uri], *, single: bool) -> Opened:
+    index_path: str | None = None
+    weight_map: dict[str, str] = {}
+    if single and (uris[0].key == "" or uris[0].key.endswith("/")):
+        files = await _list_prefix(client, uris[0])
+    elif single and uris[0].key.endswith(INDEX_SUFFIX):
+        index = uris[0]
+        index_path = str(index)
+        names = parse_index(await client.get_object(index), path=index_path)
+        directory = index.key.rpartition("/")[0]
+        prefix = f"{directory}/" if directory else ""
+        shards = sorted(set(names.values()))
+        files = [S3Uri(index.bucket, prefix + shard) for shard in shards]
+        weight_map = {name: str(S3Uri(index.bucket, prefix + shard)) for name, shard in names.items()}
+    else:
+        if len({str(u) for u in uris}) != len(uris):
+            raise SourceError("the list of checkpoint files names a file twice")
+        for uri in uris:
+            if uri.key == "" or uri.key.endswith("/"):
+                raise SourceError("a list of checkpoint files must name objects, not prefixes", path=str(uri))
+        files = uris
+    gate = asyncio.Semaphore(_HEADER_REQUESTS)
+
+    async def front(uri: S3Uri) -> Front:
+        async with gate:
+            data, info = await client.get_start(uri, client.config.header_bytes)
+            return Front(info, data)
+
+    try:
+        fronts = await asyncio.gather(*(front(u) for u in files))
+    except S3SourceError as error:
+        if index_path is not None:
+            raise S3SourceError(
+                f"the index references a missing or forbidden shard {error.key!r}: {error.reason}",
+                bucket=error.bucket,
+                key=error.key,
+                status=error.status,
+                code=error.code,
+                attempts=error.attempts,
+            ) from None
+        if single and error.status == 404 and error.code != "NoSuchBucket":
+            # s3://bucket/dir without the slash: a prefix, if it holds safetensors files.
+            listed = await _maybe_prefix(client, files[0])
+            if listed:
+                return await _open(client, [S3Uri(files[0].bucket, files[0].key + "/")], single=True)
+        raise
+    resolved = ResolvedSource(
+        paths=tuple(f.file.path for f in fronts), weight_map=weight_map, index_path=index_path
+    )
+    return Opened(resolved, tuple(fronts))
+
+
+async def _list_prefix(client: S3Client, prefix: S3Uri) -> list[S3Uri]:
+    keys = [k for k in await client.list_keys(prefix.bucket, prefix.key) if k.endswith(_SUFFIX)]
+    if not keys:
+        raise S3SourceError(
+            "no *.safetensors object directly under this prefix", bucket=prefix.bucket, key=prefix.key
+        )
+    return [S3Uri(prefix.bucket, k) for k in keys]
+
+
+async def _maybe_prefix(client: S3Client, uri: S3Uri) -> bool:
+    if uri.key.endswith(_SUFFIX) or uri.key.endswith(INDEX_SUFFIX):
+        return False
+    keys = await client.list_keys(uri.bucket, uri.key + "/")
+    return any(k.endswith(_SUFFIX) for k in keys)
