@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from streamer.backends.s3 import ClientHolder, ObjectInfo
 from streamer.config import S3Config
-from streamer.errors import SourceError
+from streamer.errors import MissingTensorError, SourceError
 from streamer.format.safetensors import FileHeader, TensorEntry, read_header
 from streamer.sources import ResolvedSource, SourceLike, resolve
 from streamer.sources.s3 import open_s3, split_sources
@@ -52,7 +52,8 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise SourceError("no tensor of that name in the checkpoint", tensor=name) from None
+            where = ", ".join(self.paths)
+            raise MissingTensorError("no tensor of that name", path=where, tensor=name) from None
 
     def refs(self) -> Iterator[TensorRef]:
         return iter(self.tensors.values())
