@@ -5,7 +5,8 @@ by a ``Streamer`` handle, so local files and ``s3://`` objects take the same pat
 ``metrics`` count every byte. ``get_slice(name)[index]`` reads only the bytes the index needs
 (see ``streamer.slicing``): a rank of a tensor-parallel group reads its shard of a weight, e.g.
 ``[rank * k:(rank + 1) * k]`` (one contiguous read, returned as a view of it) or
-``[:, rank * k:(rank + 1) * k]`` (the covering rows, or run by run where that moves fewer bytes).
+``[:, rank * k:(rank + 1) * k]`` (the rows that cover it, or run by run where runs are more than a
+read block apart, as the slices of a stacked expert weight are).
 """
 
 from __future__ import annotations
@@ -17,16 +18,12 @@ import torch
 from streamer import slicing
 from streamer.api import Streamer, check_backend
 from streamer.checkpoint import TensorRef
-from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.config import StreamerConfig
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
 from streamer.format.safetensors import TensorEntry
 from streamer.sources import SourceLike
 
 FRAMEWORKS = ("pt", "torch")
-# What one more request costs, in bytes the reader could have moved instead: an NVMe read is
-# ~20 us (~64 KiB at 3 GB/s); an S3 request ~30 ms of one connection (~1 MiB at its share).
-_REQUEST_COST_LOCAL = 64 << 10
-_REQUEST_COST_S3 = 1 << 20
 
 
 class safe_open:  # safetensors' name (a class there too), so that only the import changes
@@ -154,15 +151,12 @@ class TensorSlice:
         dtype = entry.dtype.torch_dtype
         if layout.numel == 0:
             return torch.empty(layout.shape, dtype=dtype, device=self._handle.device)
-        remote = self._handle.checkpoint.object_of(self._ref.file) is not None
         itemsize = entry.dtype.itemsize
         plan = slicing.plan(
             layout,
             base=entry.begin,
             itemsize=itemsize,
             block_size=self._handle.config.block_size,
-            alignment=DIRECT_IO_ALIGNMENT,
-            request_cost=_REQUEST_COST_S3 if remote else _REQUEST_COST_LOCAL,
         )
         pieces = [_as_bits(p) for p in self._handle.read([self._piece(b, e) for b, e in plan.ranges])]
         if len(pieces) == 1:

@@ -3,9 +3,8 @@
 An index made of ints, slices, ``...`` and ``None`` selects a strided view of the tensor. torch
 itself computes that view on a ``meta`` tensor (no memory, no bytes), so the shapes, the
 negative-index and clamping rules and every error are exactly torch's, which are safetensors'.
-The view is then cut into *runs* (contiguous element ranges, in order) and read either as the one
-range that covers them, or run by run (runs closer than a block merged): whichever the block grid
-of the read makes cheaper in bytes moved plus a cost per request.
+The view is then cut into *runs* (contiguous element ranges, in order); runs closer than a read
+block are read as one range, those further apart as ranges of their own.
 """
 
 from __future__ import annotations
@@ -116,32 +115,24 @@ def covering(layout: Layout) -> tuple[int, int]:
     return layout.offset, last + 1
 
 
-def plan(
-    layout: Layout, *, base: int, itemsize: int, block_size: int, alignment: int, request_cost: int
-) -> ReadPlan:
-    """The cheaper way to read a non-empty selection of the tensor whose bytes start at ``base``.
+def plan(layout: Layout, *, base: int, itemsize: int, block_size: int) -> ReadPlan:
+    """How to read a non-empty selection of the tensor whose bytes start at ``base``.
 
-    Reads move whole blocks of ``block_size`` from an ``alignment``-rounded start (the reader's
-    grid), so run-by-run reading only saves what falls into blocks no run touches; each block
-    also costs ``request_cost`` bytes' worth of latency.
+    The reader moves whole blocks of ``block_size`` and skips the blocks no range touches, so runs
+    closer than a block are read as one range (the gap costs nothing more) and runs further apart
+    as ranges of their own (the blocks between them are not read): the fewest bytes the reader can
+    move, never more than the covering range. Beyond ``MAX_RUNS`` runs, the covering range.
     """
 
     def to_bytes(span: tuple[int, int]) -> tuple[int, int]:
         return base + span[0] * itemsize, base + span[1] * itemsize
 
-    whole = to_bytes(covering(layout))
     element_runs = runs_of(layout)
     if element_runs is None:
+        whole = to_bytes(covering(layout))
         return ReadPlan((whole,), (whole,))
     runs = tuple(to_bytes(run) for run in element_runs)
-    if len(runs) == 1:
-        return ReadPlan(runs, runs)
-    merged = merge(runs, max_gap=block_size - 1)
-    if len(merged) > 1 and cost(merged, block_size, alignment, request_cost) < cost(
-        [whole], block_size, alignment, request_cost
-    ):
-        return ReadPlan(tuple(merged), runs)
-    return ReadPlan((whole,), runs)
+    return ReadPlan(tuple(merge(runs, max_gap=block_size - 1)), runs)
 
 
 def merge(ranges: tuple[tuple[int, int], ...], *, max_gap: int) -> list[tuple[int, int]]:
@@ -153,16 +144,3 @@ def merge(ranges: tuple[tuple[int, int], ...], *, max_gap: int) -> list[tuple[in
         else:
             merged.append((begin, end))
     return merged
-
-
-def cost(ranges: list[tuple[int, int]], block_size: int, alignment: int, request_cost: int) -> int:
-    """Bytes the reader moves for ``ranges`` plus ``request_cost`` per block it reads."""
-    anchor = ranges[0][0] - ranges[0][0] % alignment
-    stop = -(-ranges[-1][1] // alignment) * alignment
-    total = 0
-    previous = -1
-    for begin, end in ranges:
-        first, last = max((begin - anchor) // block_size, previous + 1), (end - 1 - anchor) // block_size
-        total += max(0, last - first + 1) * (block_size + request_cost)
-        previous = max(previous, last)
-    return total - max(0, anchor + (previous + 1) * block_size - stop)  # the last block stops at ``stop``
