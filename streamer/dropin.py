@@ -73,8 +73,9 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
         return self.handle.keys()
 
     def metadata(self) -> dict[str, str] | None:
-        """``__metadata__`` (merged over the files); None when there is none."""
-        return self.handle.metadata() or None
+        """``__metadata__`` (merged over the files); None when no file has one."""
+        handle = self.handle
+        return handle.metadata() if any(h.has_metadata for h in handle.checkpoint.headers) else None
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.handle.read([self._ref(name)])[0]

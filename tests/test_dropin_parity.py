@@ -148,6 +148,15 @@ def test_keys_are_sorted_and_metadata_none_without_any(tmp_path: Path) -> None:
         assert ours.keys() == theirs.keys() == sorted(tensors)
         assert ours.offset_keys() == theirs.offset_keys()
         assert ours.metadata() is None and theirs.metadata() is None
+    safetensors.torch.save_file(tensors, str(path), metadata={})  # an empty ``__metadata__`` object
+    with streamer.safe_open(path) as ours, safetensors.safe_open(str(path), "pt") as theirs:
+        assert ours.metadata() == theirs.metadata() == {}
+    # ``"__metadata__": null``: none, for both
+    text = b'{"__metadata__": null, "t": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}'
+    path.write_bytes(len(text).to_bytes(8, "little") + text + b"ab")
+    with streamer.safe_open(path) as ours, safetensors.safe_open(str(path), "pt") as theirs:
+        assert ours.metadata() is None and theirs.metadata() is None
+        assert_same(ours.get_tensor("t"), theirs.get_tensor("t"))
 
 
 def test_missing_file_is_a_file_not_found_error(tmp_path: Path) -> None:
