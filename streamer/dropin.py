@@ -87,7 +87,7 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
 
     def get_slice(self, name: str) -> TensorSlice:
         """A lazy view of one tensor: index it to read part of it (it stays usable after ``close``)."""
-        return TensorSlice(self.handle, self._ref(name))
+        return TensorSlice(self, self._ref(name))
 
     def _ref(self, name: str) -> TensorRef:
         tensors = self.handle.checkpoint.tensors
@@ -95,8 +95,13 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
             raise MissingTensorError("no tensor of that name", path=self._where, tensor=name)
         return tensors[name]
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
-        """Releases files and connections; slices taken before stay usable (they reopen what they need)."""
+        """Releases files and connections; slices taken before stay usable (each read of one
+        reopens what it needs and releases it again)."""
         self._closed = True
         self._handle.close()
 
@@ -118,8 +123,9 @@ class TensorSlice:
     as ``get_shape`` counts them, and must keep whole bytes (``PackedSliceError``).
     """
 
-    def __init__(self, handle: Streamer, ref: TensorRef) -> None:
-        self._handle = handle
+    def __init__(self, owner: safe_open, ref: TensorRef) -> None:
+        self._owner = owner
+        self._handle = owner._handle
         self._ref = ref
         entry = ref.entry
         per_item = entry.dtype.per_item
@@ -145,7 +151,7 @@ class TensorSlice:
                 raise PackedSliceError(
                     "only ints, slices, ... and None index a packed dtype", path=path, tensor=entry.name
                 )
-            return self._handle.read([self._ref])[0][index]  # type: ignore[index]
+            return self._read([self._ref])[0][index]  # type: ignore[index]
         layout = slicing.pack(
             slicing.select(index, self._shape), entry.dtype.per_item, name=entry.name, path=path
         )
@@ -159,13 +165,13 @@ class TensorSlice:
             itemsize=itemsize,
             block_size=self._handle.config.block_size,
         )
-        pieces = [_as_bits(p) for p in self._handle.read([self._piece(b, e) for b, e in plan.ranges])]
+        pieces = [_as_bits(p) for p in self._read([self._piece(b, e) for b, e in plan.ranges])]
         if len(pieces) == 1:
             (flat,) = pieces
             first = (entry.begin - plan.ranges[0][0]) // itemsize + layout.offset
             view = flat.as_strided(layout.shape, layout.stride, flat.storage_offset() + first)
             if view.numel() == flat.numel():
-                return view.view(dtype)  # the selection is the range read: no copy
+                return flat.view(layout.shape).view(dtype)  # the selection is the range read: no copy
             # A copy lets the covering bytes go (a shard must not pin the whole weight).
             return view.clone(memory_format=torch.contiguous_format).view(dtype)
         parts = []
@@ -176,6 +182,14 @@ class TensorSlice:
                 if run_end == end:
                     break
         return torch.cat(parts).view(layout.shape).view(dtype)
+
+    def _read(self, refs: list[TensorRef]) -> list[torch.Tensor]:
+        """One run; once the ``safe_open`` is closed, what the run reopened (an S3 client) is closed again."""
+        try:
+            return self._handle.read(refs)
+        finally:
+            if self._owner.closed:
+                self._handle.close()
 
     def _piece(self, begin: int, end: int) -> TensorRef:
         """Bytes ``[begin, end)`` of this tensor as a 1-d tensor of its dtype, named for errors."""
