@@ -2,10 +2,15 @@
 
 from streamer.api import IncompatibleKeys, Streamer, load, load_file, load_into, open
 from streamer.config import S3Config, StreamerConfig
+from streamer.dropin import TensorSlice, safe_open
 from streamer.errors import (
     ConfigError,
     DeviceError,
+    FileClosedError,
     HeaderError,
+    MissingFileError,
+    MissingTensorError,
+    PackedSliceError,
     ReadError,
     S3Error,
     S3SourceError,
@@ -19,8 +24,12 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "DeviceError",
+    "FileClosedError",
     "HeaderError",
     "IncompatibleKeys",
+    "MissingFileError",
+    "MissingTensorError",
+    "PackedSliceError",
     "ReadError",
     "S3Config",
     "S3Error",
@@ -29,10 +38,12 @@ __all__ = [
     "Streamer",
     "StreamerConfig",
     "StreamerError",
+    "TensorSlice",
     "TruncatedFileError",
     "__version__",
     "load",
     "load_file",
     "load_into",
     "open",
+    "safe_open",
 ]

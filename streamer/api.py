@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,7 +81,7 @@ class Streamer:
         self,
         source: SourceLike,
         *,
-        device: str | torch.device = "cpu",
+        device: str | int | torch.device = "cpu",
         config: StreamerConfig | None = None,
         order: Order = "completion",
     ) -> None:
@@ -125,6 +124,23 @@ class Streamer:
     def metrics(self) -> dict[str, Any]:
         """Measurements of the last completed (or closed) read; empty before any."""
         return self._run.metrics.as_dict() if self._run is not None else {}
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The parsed headers and the name -> ``TensorRef`` table (what ``read`` takes)."""
+        return self._checkpoint
+
+    def read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
+        """The tensors of ``refs``, in the order given, from one run that keeps them all.
+
+        A ref may be a byte range of one of this checkpoint's tensors under a name of its own:
+        the reads ``streamer.safe_open(...).get_slice`` makes, so they go through the same
+        readers (local or S3) and ``metrics`` count them.
+        """
+        run = self._new_run(refs, ordered=False, keep_all=True)
+        self._run = run
+        got = dict(run.results())
+        return [got[ref.entry.name] for ref in refs]
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (all workers share it when it is large); an iteration may be under way."""
@@ -211,7 +227,7 @@ class Streamer:
 def open(
     source: SourceLike,
     *,
-    device: str | torch.device = "cpu",
+    device: str | int | torch.device = "cpu",
     config: StreamerConfig | None = None,
     order: Order = "completion",
 ) -> Streamer:
@@ -220,7 +236,7 @@ def open(
 
 
 def load(
-    source: SourceLike, device: str | torch.device = "cpu", *, config: StreamerConfig | None = None
+    source: SourceLike, device: str | int | torch.device = "cpu", *, config: StreamerConfig | None = None
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, keyed in checkpoint order.
 
@@ -233,14 +249,26 @@ def load(
     return {name: loaded[name] for name in names}
 
 
+SAFETENSORS_BACKENDS = ("mmap", "pread")  # what safetensors' ``backend=`` accepts; streamer reads its own way
+
+
 def load_file(
-    filename: str | os.PathLike[str],
-    device: str | torch.device = "cpu",
+    filename: SourceLike,
+    device: str | int | torch.device = "cpu",
     *,
+    backend: str = "mmap",
     config: StreamerConfig | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Drop-in for ``safetensors.torch.load_file``."""
+    """Drop-in for ``safetensors.torch.load_file``; ``backend`` is checked as safetensors checks it,
+    then ignored (streamer reads with its own engine)."""
+    check_backend(backend)
     return load(filename, device, config=config)
+
+
+def check_backend(backend: str) -> None:
+    if backend not in SAFETENSORS_BACKENDS:
+        expected = ", ".join(repr(b) for b in SAFETENSORS_BACKENDS)
+        raise ConfigError(f"backend {backend!r} is invalid (expected one of: {expected})")
 
 
 class IncompatibleKeys(NamedTuple):

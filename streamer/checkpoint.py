@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from streamer.backends import open_storage
 from streamer.backends.base import Opened, Storage, StoredFile
 from streamer.config import S3Config, StreamerConfig
-from streamer.errors import SourceError
+from streamer.errors import MissingTensorError, SourceError
 from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
 from streamer.sources import ResolvedSource, SourceLike
 
@@ -46,7 +46,9 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise SourceError("no tensor of that name in the checkpoint", tensor=name) from None
+            paths = self.paths
+            where = paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more file(s)"
+            raise MissingTensorError("no tensor of that name", path=where, tensor=name) from None
 
     def refs(self) -> Iterator[TensorRef]:
         return iter(self.tensors.values())

@@ -31,6 +31,28 @@ class SourceError(StreamerError):
     """The source cannot be resolved: missing file, bad index, duplicate tensor names, …"""
 
 
+class MissingFileError(SourceError, FileNotFoundError):
+    """The file does not exist: also a ``FileNotFoundError``, which code written for
+    ``safetensors`` catches."""
+
+
+class MissingTensorError(SourceError, KeyError):
+    """No tensor of that name: also a ``KeyError``, as a lookup by name fails in a dict."""
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)  # KeyError's own quotes the whole message
+
+
+class FileClosedError(StreamerError, ValueError):
+    """The ``safe_open`` handle was closed; a ``ValueError`` like I/O on a closed Python file."""
+
+
+class PackedSliceError(StreamerError, RuntimeError):
+    """A slice that cuts a byte of a packed dtype (``F4``: two values per byte) in two.
+
+    A ``RuntimeError``, which is what ``safetensors`` raises for every slice of such a tensor."""
+
+
 class HeaderError(StreamerError):
     """A safetensors header is malformed or violates the format's invariants."""
 

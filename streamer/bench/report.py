@@ -135,7 +135,15 @@ def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) 
 # --- the table ---
 
 _HEADER = (
-    "loader", "setting", "median s", "min-max s", "GB/s", "vs streamer", "peak RSS", "faults/GiB", "CPU s"
+    "loader",
+    "setting",
+    "median s",
+    "min-max s",
+    "GB/s",
+    "vs streamer",
+    "peak RSS",
+    "faults/GiB",
+    "CPU s",
 )
 
 

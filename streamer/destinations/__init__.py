@@ -7,8 +7,11 @@ import torch
 from streamer.errors import DeviceError
 
 
-def parse_device(device: str | torch.device) -> torch.device:
-    """Validates the destination without initialising CUDA."""
+def parse_device(device: str | int | torch.device) -> torch.device:
+    """Validates the destination without initialising CUDA; an int ``n`` is ``cuda:n``, as
+    ``safetensors`` and ``torch.Tensor.to`` read it."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as exc:

@@ -75,6 +75,8 @@ class FileHeader:
     data_start: int
     tensors: tuple[TensorEntry, ...]
     metadata: dict[str, str] = field(hash=False)  # a dict: left out so the header stays hashable
+    # Whether ``__metadata__`` was an object, even ``{}`` (safetensors' ``metadata()`` is then a dict).
+    has_metadata: bool = field(default=False, compare=False)
     _by_name: Mapping[str, TensorEntry] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,15 +113,17 @@ def parse_header(header: bytes, *, path: str, file_size: int) -> FileHeader:
         raise HeaderError(f"{top.repeated!r} appears more than once in the header", path=path, tensor=where)
     data_start = PREFIX_BYTES + len(header)
     metadata: dict[str, str] = {}
+    has_metadata = False
     entries = []
     for name, value in top.items():
         if name == METADATA_KEY:
             metadata = _metadata(value, path=path)
+            has_metadata = value is not None
         else:
             entries.append(_entry(name, value, path=path, data_start=data_start))
     entries.sort(key=lambda t: (t.begin, t.end, t.name))
     _check_coverage(entries, path=path, data_start=data_start, file_size=file_size)
-    return FileHeader(path, file_size, data_start, tuple(entries), metadata)
+    return FileHeader(path, file_size, data_start, tuple(entries), metadata, has_metadata)
 
 
 def header_end(front: bytes, *, path: str, file_size: int) -> int:

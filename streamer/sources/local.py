@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamer.errors import SourceError, StreamerError
+from streamer.errors import MissingFileError, SourceError, StreamerError
 
 SourceLike = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 
@@ -54,7 +54,7 @@ def uri_scheme(text: str) -> str | None:
 
 def _existing_file(path: Path) -> str:
     if not path.exists():
-        raise SourceError("no such file", path=str(path))
+        raise MissingFileError("no such file", path=str(path))
     if not path.is_file():
         raise SourceError("not a regular file", path=str(path))
     return str(path)
@@ -72,7 +72,7 @@ def _resolve_index(index_path: Path) -> ResolvedSource:
     try:
         text = index_path.read_bytes()
     except FileNotFoundError:
-        raise SourceError("no such index file", path=str(index_path)) from None
+        raise MissingFileError("no such index file", path=str(index_path)) from None
     except OSError as exc:
         raise SourceError(f"cannot read the index: {exc}", path=str(index_path)) from None
     weight_map = parse_index(text, path=str(index_path))

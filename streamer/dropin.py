@@ -1,0 +1,208 @@
+"""``safe_open`` as ``safetensors`` has it, on streamer's readers: switching is an import change.
+
+``from safetensors import safe_open`` becomes ``from streamer import safe_open``. Tensors are read
+by a ``Streamer`` handle, so local files and ``s3://`` objects take the same path and its
+``metrics`` count every byte. ``get_slice(name)[index]`` reads only the bytes the index needs
+(see ``streamer.slicing``): a rank of a tensor-parallel group reads its shard of a weight, e.g.
+``[rank * k:(rank + 1) * k]`` (one contiguous read, returned as a view of it) or
+``[:, rank * k:(rank + 1) * k]`` (the rows that cover it, or run by run where runs are more than a
+read block apart, as the slices of a stacked expert weight are).
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+
+from streamer import slicing
+from streamer.api import Streamer, check_backend
+from streamer.checkpoint import TensorRef
+from streamer.config import StreamerConfig
+from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
+from streamer.format.safetensors import TensorEntry
+from streamer.sources import SourceLike
+
+FRAMEWORKS = ("pt", "torch")
+
+
+class safe_open:  # safetensors' name (a class there too), so that only the import changes
+    """A checkpoint opened lazily, as ``safetensors.safe_open``: a context manager, or call ``close()``.
+
+    ``filename`` may also be anything ``streamer.open`` takes (a directory, a list of files, an
+    index, ``s3://``). ``framework`` must be ``"pt"`` (or ``"torch"``); ``device`` a str, an int
+    (``cuda:N``) or a ``torch.device``; ``backend`` is checked as safetensors checks it, then
+    ignored. ``config`` is streamer's own.
+    """
+
+    def __init__(
+        self,
+        filename: SourceLike,
+        framework: str = "pt",
+        device: str | int | torch.device = "cpu",
+        *,
+        backend: str = "mmap",
+        config: StreamerConfig | None = None,
+    ) -> None:
+        if framework not in FRAMEWORKS:
+            raise ConfigError(
+                f"framework {framework!r} is not supported: streamer returns torch tensors "
+                "(framework='pt'); use safetensors for numpy, tensorflow, flax or mlx"
+            )
+        check_backend(backend)
+        self._handle = Streamer(filename, device=device, config=config, order="checkpoint")
+        self._closed = False
+
+    @property
+    def handle(self) -> Streamer:
+        """The ``Streamer`` underneath (``metrics`` of the last read); ``FileClosedError`` once closed."""
+        if self._closed:
+            raise FileClosedError("file is closed", path=self._where)
+        return self._handle
+
+    @property
+    def _where(self) -> str:
+        return ", ".join(self._handle.files)
+
+    def keys(self) -> list[str]:
+        """Tensor names, sorted (as safetensors sorts them)."""
+        return sorted(self.handle.keys())
+
+    def offset_keys(self) -> list[str]:
+        """Tensor names in the order of their bytes (file by file)."""
+        return self.handle.keys()
+
+    def metadata(self) -> dict[str, str] | None:
+        """``__metadata__`` (merged over the files); None when no file has one."""
+        handle = self.handle
+        return handle.metadata() if any(h.has_metadata for h in handle.checkpoint.headers) else None
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.handle.read([self._ref(name)])[0]
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, in one run (as fast as ``streamer.load``), keyed in ``keys()`` order."""
+        names = self.keys()
+        return dict(zip(names, self.handle.read([self._ref(name) for name in names]), strict=True))
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """A lazy view of one tensor: index it to read part of it (it stays usable after ``close``)."""
+        return TensorSlice(self, self._ref(name))
+
+    def _ref(self, name: str) -> TensorRef:
+        tensors = self.handle.checkpoint.tensors
+        if name not in tensors:
+            raise MissingTensorError("no tensor of that name", path=self._where, tensor=name)
+        return tensors[name]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Releases files and connections; slices taken before stay usable (each read of one
+        reopens what it needs and releases it again)."""
+        self._closed = True
+        self._handle.close()
+
+    def __enter__(self) -> safe_open:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class TensorSlice:
+    """One tensor, read only as far as an index needs: ``get_slice(name)[index]``.
+
+    Indexing follows torch (so safetensors): ints (negative from the end), slices with a positive
+    step, ``...`` and ``None`` read only the bytes they select; any other index (lists, tensors,
+    masks) reads the whole tensor and indexes it. Packed dtypes (``F4``) are indexed in values,
+    as ``get_shape`` counts them, and must keep whole bytes (``PackedSliceError``).
+    """
+
+    def __init__(self, owner: safe_open, ref: TensorRef) -> None:
+        self._owner = owner
+        self._handle = owner._handle
+        self._ref = ref
+        entry = ref.entry
+        per_item = entry.dtype.per_item
+        self._shape = (*entry.shape[:-1], entry.shape[-1] * per_item) if per_item > 1 else entry.shape
+
+    @property
+    def _entry(self) -> TensorEntry:
+        return self._ref.entry
+
+    def get_shape(self) -> list[int]:
+        """The shape in the header (a packed dtype counts values, not torch elements)."""
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        """The safetensors dtype name, e.g. ``"BF16"``."""
+        return self._entry.dtype.name
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        entry = self._entry
+        path = self._handle.checkpoint.headers[self._ref.file].path
+        if not slicing.is_basic(index):
+            if entry.dtype.per_item > 1:
+                raise PackedSliceError(
+                    "only ints, slices, ... and None index a packed dtype", path=path, tensor=entry.name
+                )
+            return self._read([self._ref])[0][index]  # type: ignore[index]
+        layout = slicing.pack(
+            slicing.select(index, self._shape), entry.dtype.per_item, name=entry.name, path=path
+        )
+        dtype = entry.dtype.torch_dtype
+        if layout.numel == 0:
+            return torch.empty(layout.shape, dtype=dtype, device=self._handle.device)
+        itemsize = entry.dtype.itemsize
+        plan = slicing.plan(
+            layout,
+            base=entry.begin,
+            itemsize=itemsize,
+            block_size=self._handle.config.block_size,
+        )
+        pieces = [_as_bits(p) for p in self._read([self._piece(b, e) for b, e in plan.ranges])]
+        if len(pieces) == 1:
+            (flat,) = pieces
+            first = (entry.begin - plan.ranges[0][0]) // itemsize + layout.offset
+            view = flat.as_strided(layout.shape, layout.stride, flat.storage_offset() + first)
+            if view.numel() == flat.numel():
+                return flat.view(layout.shape).view(dtype)  # the selection is the range read: no copy
+            # A copy lets the covering bytes go (a shard must not pin the whole weight).
+            return view.clone(memory_format=torch.contiguous_format).view(dtype)
+        parts = []
+        runs = iter(plan.runs)
+        for (begin, end), flat in zip(plan.ranges, pieces, strict=True):
+            for run_begin, run_end in runs:  # both in file order; each run lies in one range
+                parts.append(flat[(run_begin - begin) // itemsize : (run_end - begin) // itemsize])
+                if run_end == end:
+                    break
+        return torch.cat(parts).view(layout.shape).view(dtype)
+
+    def _read(self, refs: list[TensorRef]) -> list[torch.Tensor]:
+        """One run; once the ``safe_open`` is closed, what the run reopened (an S3 client) is closed again."""
+        try:
+            return self._handle.read(refs)
+        finally:
+            if self._owner.closed:
+                self._handle.close()
+
+    def _piece(self, begin: int, end: int) -> TensorRef:
+        """Bytes ``[begin, end)`` of this tensor as a 1-d tensor of its dtype, named for errors."""
+        entry = self._entry
+        name = f"{entry.name}[bytes {begin - entry.begin}:{end - entry.begin}]"
+        shape = ((end - begin) // entry.dtype.itemsize,)
+        return TensorRef(self._ref.file, TensorEntry(name, entry.dtype, shape, begin, end))
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer dtype of the same size: torch copies and concatenates every
+    integer dtype, not every float8/float4/bool one."""
+    return tensor.view(_BITS[tensor.element_size()])

@@ -1,0 +1,146 @@
+"""Which bytes a basic index of a tensor needs, and how to read them (pure planning for ``get_slice``).
+
+An index made of ints, slices, ``...`` and ``None`` selects a strided view of the tensor. torch
+itself computes that view on a ``meta`` tensor (no memory, no bytes), so the shapes, the
+negative-index and clamping rules and every error are exactly torch's, which are safetensors'.
+The view is then cut into *runs* (contiguous element ranges, in order); runs closer than a read
+block are read as one range, those further apart as ranges of their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from streamer.errors import PackedSliceError
+
+MAX_RUNS = 4096  # more runs than this are read as their covering range (Python would spend longer)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a selection sits: a strided view of the tensor, in elements of the tensor's dtype."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Byte ranges of the file to read (sorted, disjoint), and the runs the selection is made of.
+
+    ``runs`` (absolute byte ranges, in the selection's row-major order) each lie inside one range;
+    with one range and one run, the selection is that range exactly.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+    runs: tuple[tuple[int, int], ...]
+
+
+def is_basic(index: object) -> bool:
+    """Whether ``index`` selects a view (ints, slices of ints, ``...``, ``None``, or a tuple of them)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(_basic_item(item) for item in items)
+
+
+def _basic_item(item: object) -> bool:
+    if item is None or item is Ellipsis:
+        return True
+    if isinstance(item, slice):
+        return all(_plain_int(part) or part is None for part in (item.start, item.stop, item.step))
+    return _plain_int(item)
+
+
+def _plain_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # torch reads True as a mask
+
+
+def select(index: object, shape: tuple[int, ...]) -> Layout:
+    """The view ``tensor[index]`` is, for a basic ``index`` of a tensor of ``shape``; torch's errors."""
+    view = torch.empty(shape, dtype=torch.uint8, device="meta")[index]  # type: ignore[index]
+    return Layout(tuple(view.shape), tuple(view.stride()), int(view.storage_offset()))
+
+
+def pack(layout: Layout, per_item: int, *, name: str, path: str) -> Layout:
+    """A layout in header values as one in torch elements of a packed dtype (``per_item`` values each).
+
+    The selection must keep whole elements: the last dimension kept, step 1, on even bounds.
+    """
+    if per_item == 1:
+        return layout
+    shape, stride = layout.shape, layout.stride
+    if not shape or stride[-1] != 1 or shape[-1] % per_item or layout.offset % per_item:
+        raise PackedSliceError(
+            f"this slice splits a packed element ({per_item} values per byte): keep the last dimension, "
+            f"with step 1 and bounds that are multiples of {per_item}",
+            path=path,
+            tensor=name,
+        )
+    return Layout(
+        (*shape[:-1], shape[-1] // per_item),
+        (*(s // per_item if n > 1 else s for n, s in zip(shape[:-1], stride[:-1], strict=True)), 1),
+        layout.offset // per_item,
+    )
+
+
+def runs_of(layout: Layout) -> list[tuple[int, int]] | None:
+    """The selection's contiguous element ranges in row-major order; None beyond ``MAX_RUNS``."""
+    if layout.numel == 0:
+        return []
+    inner = 1
+    outer = len(layout.shape)
+    while outer > 0 and (layout.shape[outer - 1] == 1 or layout.stride[outer - 1] == inner):
+        outer -= 1
+        inner *= layout.shape[outer]
+    if math.prod(layout.shape[:outer]) > MAX_RUNS:
+        return None
+    starts = (
+        layout.offset + sum(i * s for i, s in zip(position, layout.stride, strict=False))
+        for position in itertools.product(*(range(n) for n in layout.shape[:outer]))
+    )
+    return [(start, start + inner) for start in starts]
+
+
+def covering(layout: Layout) -> tuple[int, int]:
+    """The smallest element range holding the (non-empty) selection."""
+    last = layout.offset + sum((n - 1) * s for n, s in zip(layout.shape, layout.stride, strict=True))
+    return layout.offset, last + 1
+
+
+def plan(layout: Layout, *, base: int, itemsize: int, block_size: int) -> ReadPlan:
+    """How to read a non-empty selection of the tensor whose bytes start at ``base``.
+
+    The reader moves whole blocks of ``block_size`` and skips the blocks no range touches, so runs
+    closer than a block are read as one range (the gap costs nothing more) and runs further apart
+    as ranges of their own (the blocks between them are not read): the fewest bytes the reader can
+    move, never more than the covering range. Beyond ``MAX_RUNS`` runs, the covering range.
+    """
+
+    def to_bytes(span: tuple[int, int]) -> tuple[int, int]:
+        return base + span[0] * itemsize, base + span[1] * itemsize
+
+    element_runs = runs_of(layout)
+    if element_runs is None:
+        whole = to_bytes(covering(layout))
+        return ReadPlan((whole,), (whole,))
+    runs = tuple(to_bytes(run) for run in element_runs)
+    return ReadPlan(tuple(merge(runs, max_gap=block_size - 1)), runs)
+
+
+def merge(ranges: tuple[tuple[int, int], ...], *, max_gap: int) -> list[tuple[int, int]]:
+    """Sorted ranges with gaps of at most ``max_gap`` joined (such a gap holds no whole block)."""
+    merged: list[tuple[int, int]] = []
+    for begin, end in ranges:
+        if merged and begin - merged[-1][1] <= max_gap:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((begin, end))
+    return merged
