@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--concurrency", default="4,16,32,64", help="swept for every loader that has it")
+    parser.add_argument(
+        "--concurrency", default="4,16,32,64", help="swept for every loader that has it ('': defaults only)"
+    )
     parser.add_argument("--endpoints", default="shaped,unshaped")
     parser.add_argument("--loaders", default="streamer,runai,safetensors,boto3")
     parser.add_argument("--clock", choices=("load", "process"), default="load")
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     tools = Path(__file__).resolve().parents[2] / "shared" / "s3"
     parser.add_argument("--s3-tools", type=Path, default=tools)
     parser.add_argument("--json", type=Path, help="PREFIX: write PREFIX-<endpoint>.json per endpoint")
+    parser.add_argument("--baseline", metavar="PYTHON", help="streamer-bench --baseline: A/B another install")
     args = parser.parse_args(argv)
     if args.start_servers:
         _start_servers(args.s3_tools)
@@ -75,10 +78,13 @@ def main(argv: list[str] | None = None) -> int:
             "--shards", str(args.shards),
             "--upload", f"s3://{BUCKET}/ckpt-{args.size}-{args.shards}/",
             "--repeat", str(args.repeat),
-            "--sweep", f"concurrency={args.concurrency}",
             "--loaders", args.loaders,
             "--clock", args.clock,
         ]  # fmt: skip
+        if args.concurrency:
+            command += ["--sweep", f"concurrency={args.concurrency}"]
+        if args.baseline is not None:
+            command += ["--baseline", args.baseline]
         if args.keep is not None:
             command += ["--keep", str(args.keep)]
         if args.json is not None:

@@ -11,6 +11,7 @@ import itertools
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,8 @@ def test_rounds_after_the_first_are_shuffled_so_neighbours_change(
         ["--source", "gs://bucket/model"],
         ["--source", "model.safetensors", "--shards", "3"],
         ["--safetensors-backends", "zip"],
+        ["--baseline", "/nonexistent/bin/python"],
+        ["--baseline", "/bin/false"],
         ["--no-such-flag"],
     ],
 )
@@ -205,6 +208,31 @@ def test_bad_arguments_are_usage_errors(args: list[str], capsys: pytest.CaptureF
         cli.parse_args(args)
     assert exc.value.code == 2
     assert "usage:" in capsys.readouterr().err
+
+
+def test_baseline_runs_beside_streamer_and_is_paired_like_a_peer(tmp_path: Path) -> None:
+    """--baseline times another interpreter's streamer (here: this one's) in the same rounds."""
+    done = bench_report(
+        tmp_path,
+        "--synthetic",
+        "2MiB",
+        "--loaders",
+        "streamer",
+        "--warm",
+        "--repeat",
+        "2",
+        "--no-ceilings",
+        "--baseline",
+        sys.executable,
+    )
+    assert done["proc"].returncode == 0, done["proc"].stderr
+    (section,) = done["json"]["sections"]
+    loaders = {r["loader"]: r for r in section["results"]}
+    assert set(loaders) == {"streamer", "baseline"}
+    assert loaders["baseline"]["status"] == "ok" and loaders["baseline"]["valid_runs"] == 2
+    (comparison,) = section["comparisons"]
+    assert comparison["loader"] == "baseline" and comparison["rounds"] == 2
+    assert done["json"]["options"]["baseline"] == sys.executable
 
 
 def test_bad_arguments_exit_2_from_the_command_line() -> None:

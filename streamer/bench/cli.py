@@ -18,6 +18,7 @@ import importlib.util
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +31,7 @@ from streamer.bench import cache, ceilings, report, runner, stats, synthetic
 from streamer.bench.checkpoint import Checkpoint, SourceProblem, SourceUnreachable, is_remote, resolve
 from streamer.bench.loaders import (
     ALL_LOADERS,
+    BASELINE,
     LOADERS,
     RUNAI_DEFAULT_STRATEGY,
     RUNAI_STRATEGIES,
@@ -213,6 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
         "is in owned memory; process, from the child process's start, interpreter, torch and the "
         "loader's imports included (a server's cold start; fixed costs weigh more). Both are recorded",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="also time streamer as PYTHON has it installed (e.g. a venv of the previous commit, "
+        "`.../bin/python`), as loader 'baseline' at its default, paired by round like a peer: "
+        "an A/B of two versions in one run",
+    )
     p.add_argument("--json", metavar="FILE", type=Path, help="write every run and fact (schema.json) to FILE")
     p.add_argument(
         "--plot", metavar="FILE.png", type=Path, help="bar chart with whiskers and ceilings (matplotlib)"
@@ -262,10 +271,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.cold = args.warm = True
         args.states = [s for s, wanted in (("cold", args.cold), ("warm", args.warm)) if wanted]
     args.loaders = args.loaders or default_loaders(remote)
+    if args.baseline is not None:
+        problem = _baseline_problem(args.baseline)
+        if problem is not None:
+            parser.error(f"--baseline {args.baseline}: {problem}")
     if args.source is None and args.synthetic is None:
         args.synthetic = parse_size(DEFAULT_SYNTHETIC)
     args.parser = parser
     return args
+
+
+def _baseline_problem(python: str) -> str | None:
+    """Why ``python`` cannot run the baseline's child (None: it can)."""
+    try:
+        proc = subprocess.run(
+            [python, "-c", "import streamer.bench.child"],
+            capture_output=True,
+            text=True,
+            env=runner.child_env({}, own_package=False),
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run it ({exc})"
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return f"it has no streamer.bench installed ({tail[0]})"
+    return None
 
 
 # --- phases ---
@@ -415,6 +446,8 @@ def plan(
                 continue
         for setting in settings_for(name, concurrency, args.runai_strategies, backends):
             runs.append((setting, files))
+    if args.baseline is not None:
+        runs.append((Setting(BASELINE, python=args.baseline), list(checkpoint.shards)))
     return runs, skipped
 
 
@@ -508,6 +541,7 @@ def document(
         },
         "options": {
             "loaders": args.loaders,
+            "baseline": args.baseline,
             "device": args.device,
             "repeat": args.repeat,
             "ceiling_repeat": args.ceiling_repeat,

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ALL_LOADERS = ("streamer", "safetensors", "runai", "fastsafetensors", "instanttensor", "tensorizer", "boto3")
+# streamer as another interpreter has it installed (--baseline PYTHON, e.g. the previous commit's
+# venv), run like a peer so that an A/B of two versions is paired by round in one run.
+BASELINE = "baseline"
 RUNAI_DEFAULT_STRATEGY = "default"  # RUNAI_STREAMER_FS_STRATEGY unset: io_uring + O_DIRECT in 0.17
 RUNAI_STRATEGIES = (RUNAI_DEFAULT_STRATEGY, "sync_buffered")
 SAFETENSORS_BACKENDS = ("mmap", "pread")
@@ -117,6 +120,12 @@ class Setting:
 
     loader: str
     knobs: tuple[tuple[str, str | int], ...] = field(default=())
+    python: str | None = None  # the interpreter of the baseline setting; None: this one
+
+    @property
+    def child_loader(self) -> str:
+        """What the child loads: the baseline is streamer, from its own interpreter's install."""
+        return "streamer" if self.loader == BASELINE else self.loader
 
     @property
     def label(self) -> str:

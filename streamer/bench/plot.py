@@ -39,6 +39,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         "instanttensor": "tab:purple",
         "tensorizer": "tab:brown",
         "boto3": "tab:gray",
+        "baseline": "lightsteelblue",
     }
     line_style = {  # one look per ceiling, the same in every panel
         "read_buffered": ("black", "--"),

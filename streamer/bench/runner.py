@@ -25,20 +25,31 @@ class ChildFailed(Exception):
     """The child exited without a result line (crash, kill, timeout)."""
 
 
-def child_env(extra: dict[str, str]) -> dict[str, str]:
-    """The parent's environment minus the knobs a setting controls, plus that setting's own."""
+def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, str]:
+    """The parent's environment minus the knobs a setting controls, plus that setting's own.
+
+    ``own_package`` puts this streamer first on the child's path; a baseline interpreter keeps
+    the streamer it has installed instead.
+    """
     env = {k: v for k, v in os.environ.items() if k not in CONTROLLED_ENV}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    if own_package:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    else:
+        env.pop("PYTHONPATH", None)
     return env | extra
 
 
 def call_child(
-    request: dict[str, Any], env: dict[str, str] | None = None, timeout: float = 1800
+    request: dict[str, Any],
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
+    python: str | None = None,
 ) -> dict[str, Any]:
-    """Runs ``streamer.bench.child`` with ``request``; returns its result object."""
+    """Runs ``streamer.bench.child`` with ``request`` in ``python`` (default: this interpreter);
+    returns its result object."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "streamer.bench.child", json.dumps(request)],
+            [python or sys.executable, "-m", "streamer.bench.child", json.dumps(request)],
             capture_output=True,
             text=True,
             env=env or child_env({}),
@@ -154,7 +165,7 @@ def run_section(
                 continue
             request = {
                 "action": "load",
-                "loader": config.setting.loader,
+                "loader": config.setting.child_loader,
                 "knobs": dict(config.setting.knobs),
                 "files": config.files,
                 "source": config.source,
@@ -163,7 +174,9 @@ def run_section(
                 "cache": None if state == "remote" else state,
             }
             try:
-                result = call_child(request, child_env(config.setting.environment()), timeout)
+                setting = config.setting
+                env = child_env(setting.environment(), own_package=setting.python is None)
+                result = call_child(request, env, timeout, setting.python)
             except ChildFailed as exc:
                 result = {"ok": False, "error": str(exc)}
             if not result["ok"]:
