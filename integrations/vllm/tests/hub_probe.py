@@ -13,10 +13,10 @@ from types import SimpleNamespace
 
 
 def main() -> None:
+    from streamer_vllm.loader import StreamerModelLoader
     from vllm.config.load import LoadConfig
 
     import streamer
-    from streamer_vllm.loader import StreamerModelLoader
 
     model, revision, download_dir = sys.argv[1], sys.argv[2], sys.argv[3]
     loader = StreamerModelLoader(
