@@ -21,6 +21,7 @@ from streamer.destinations import copy_engine, parse_device
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.errors import ConfigError, SourceError, StreamerError
+from streamer.progress import ByteProgress
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
 from streamer.run.staged import StagedSink, Staging
@@ -119,6 +120,11 @@ class Streamer:
     @property
     def files(self) -> tuple[str, ...]:
         return self._checkpoint.paths
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data in the checkpoint: what a full read loads (for progress bars)."""
+        return sum(ref.entry.nbytes for ref in self._checkpoint.refs())
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -236,15 +242,24 @@ def open(
 
 
 def load(
-    source: SourceLike, device: str | int | torch.device = "cpu", *, config: StreamerConfig | None = None
+    source: SourceLike,
+    device: str | int | torch.device = "cpu",
+    *,
+    config: StreamerConfig | None = None,
+    progress: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, keyed in checkpoint order.
 
     The result holds everything, so for CPU ``memory_limit`` does not apply here (use
     ``open`` to stream under a limit); for a GPU it bounds the host staging ring.
+    ``progress`` shows a bytes and GB/s bar on stderr (tqdm's when it is installed).
     """
     with Streamer(source, device=device, config=config) as handle:
-        loaded = dict(handle._iterate(keep_all=True))
+        loaded: dict[str, torch.Tensor] = {}
+        with ByteProgress(handle.nbytes, enabled=progress) as bar:
+            for name, tensor in handle._iterate(keep_all=True):
+                loaded[name] = tensor
+                bar.update(tensor.nbytes)
         names = handle.keys()
     return {name: loaded[name] for name in names}
 

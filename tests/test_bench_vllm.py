@@ -33,6 +33,7 @@ def _model(tmp_path: Path) -> Path:
         ["--load-formats", ","],
         ["--repeat", "0"],
         ["--gpu-memory-utilization", "1.5"],
+        ["--kv-cache-bytes", "lots"],
         ["--streamer-config", "[1]"],
         ["--streamer-config", "{bad"],
     ],
@@ -131,3 +132,23 @@ def test_document_and_table_follow_the_schema(tmp_path: Path) -> None:
     assert doc["tokens_agree"] is True
     table = vllm_bench.render(doc)
     assert "31.00 s" in table and "1.41x" in table and "failed" in table
+
+
+def test_server_command_line_carries_the_run_settings() -> None:
+    request = {
+        "model": "/m",
+        "load_format": "streamer",
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "gpu_memory_utilization": None,
+        "kv_cache_bytes": 1 << 28,
+        "model_loader_extra_config": {"concurrency": 2},
+    }
+    args = vllm_bench.server_args(request, 8123)
+    assert args[:2] == ["-m", "vllm.entrypoints.openai.api_server"]
+    text = " ".join(args)
+    for part in ("--model /m", "--load-format streamer", "--port 8123", "--max-model-len 256"):
+        assert part in text
+    assert "--enforce-eager" in args
+    assert "--kv-cache-memory-bytes 268435456" in text and "--gpu-memory-utilization" not in text
+    assert args[args.index("--model-loader-extra-config") + 1] == '{"concurrency": 2}'

@@ -18,6 +18,7 @@ from streamer.errors import ConfigError, SourceError
 
 streamer_vllm = pytest.importorskip("streamer_vllm", reason="the plugin (integrations/vllm) is not installed")
 from streamer_vllm.checks import check_all_loaded, target_device  # noqa: E402
+from streamer_vllm.load_settings import HONOURED, REFUSED, check_load_config  # noqa: E402
 from streamer_vllm.options import KEYS, parse_options, weights_source  # noqa: E402
 
 
@@ -133,3 +134,51 @@ def test_entry_point_and_lazy_imports() -> None:
     assert "vllm" not in sys.modules  # importing the plugin package imports no vLLM
     requires = importlib.metadata.requires("streamer-vllm") or []
     assert not [r for r in requires if r.split()[0].lower().startswith("vllm")]
+
+
+# vLLM 0.32's LoadConfig defaults, written out: the loader reads them from vLLM itself.
+LOAD_CONFIG_DEFAULTS: dict[str, object] = {
+    "load_format": "auto",
+    "download_dir": None,
+    "safetensors_load_strategy": None,
+    "safetensors_prefetch_num_threads": 8,
+    "safetensors_prefetch_block_size": 16 << 20,
+    "model_loader_extra_config": {},
+    "device": None,
+    "ignore_patterns": ["original/**/*"],
+    "use_tqdm_on_load": True,
+    "pt_load_map_location": "cpu",
+}
+
+
+def test_every_load_config_field_is_honoured_or_refused() -> None:
+    assert set(LOAD_CONFIG_DEFAULTS) == HONOURED.keys() | REFUSED.keys()
+    honoured = LOAD_CONFIG_DEFAULTS | {
+        "load_format": "streamer",
+        "download_dir": "/cache",
+        "ignore_patterns": [],
+        "model_loader_extra_config": {"concurrency": 2},
+        "device": "cpu",
+        "use_tqdm_on_load": False,
+    }
+    assert check_load_config(honoured, LOAD_CONFIG_DEFAULTS) == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("safetensors_load_strategy", "eager"),
+        ("safetensors_prefetch_num_threads", 4),
+        ("safetensors_prefetch_block_size", 1 << 20),
+        ("pt_load_map_location", "cuda"),
+    ],
+)
+def test_a_field_streamer_cannot_honour_is_refused_when_set(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"does not support {field}=.*leave it at its default"):
+        check_load_config(LOAD_CONFIG_DEFAULTS | {field: value}, LOAD_CONFIG_DEFAULTS)
+
+
+def test_a_field_of_a_newer_vllm_is_reported_when_set() -> None:
+    newer = LOAD_CONFIG_DEFAULTS | {"shiny_new_knob": 1, "quiet_new_knob": 0}
+    defaults = LOAD_CONFIG_DEFAULTS | {"shiny_new_knob": 0, "quiet_new_knob": 0}
+    assert check_load_config(newer, defaults) == ["shiny_new_knob"]

@@ -4,7 +4,11 @@ Each run is a fresh process of the Python that has vLLM (``--python``), started 
 model's safetensors files were evicted from the page cache and verified absent (``mincore``).
 The parent takes the wall-clock time just before it starts the process; the child reports when
 ``import vllm`` finished, when ``LLM(...)`` returned (engine ready) and when one greedily
-generated token came back (first token). Figures vLLM prints in its log are parsed as well:
+generated token came back (first token). With ``--server`` the process is vLLM's OpenAI server
+instead: ready is its first ``/health`` 200, first token the first completion's answer. On the
+CPU the KV cache gets a fixed size (``--kv-cache-bytes``): vLLM's default sizes it from the memory
+other processes leave free, which makes runs abort or differ on a busy machine. Figures vLLM
+prints in its log are parsed as well, to show where the seconds of a start go:
 ``Loading weights took X seconds`` (vLLM's default loader and the streamer plugin), the Run:ai
 progress bar's elapsed time (1 s resolution: that loader prints no time of its own),
 ``Initializing model took``, and the engine's profile/KV-cache/warm-up time.
@@ -20,17 +24,21 @@ import json
 import os
 import platform
 import re
+import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from streamer.bench import cache
-from streamer.bench.units import format_bytes, positive_int
+from streamer.bench.units import format_bytes, parse_size, positive_int
 
 SCHEMA_ID = "streamer-bench-vllm/1"
 SCHEMA_PATH = Path(__file__).with_name("vllm_schema.json")
@@ -50,7 +58,11 @@ _LOG_FIGURES: dict[str, re.Pattern[str]] = {
     "init_model_s": re.compile(r"Initializing model took ([\d.]+) seconds"),
     "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
     "model_loading_s": re.compile(r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds"),
+    "compile_s": re.compile(r"torch\.compile takes ([\d.]+) s in total"),
+    "graph_capture_s": re.compile(r"Graph capturing finished in ([\d.]+) secs"),
 }
+CPU_KV_CACHE_BYTES = 256 << 20  # plenty for --max-num-seqs 4 at the default context
+_HEALTH_POLL_S = 0.2
 _RUNAI_BAR = re.compile(r"Loading safetensors using Runai Model Streamer: 100%[^\[]*\[(\d+):(\d+)<")
 
 
@@ -128,6 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_fraction,
         help="vLLM's memory share; default on the CPU: twice the weights plus 2 GiB of RAM, on a GPU vLLM's",
     )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=parse_size,
+        metavar="SIZE",
+        help=f"vLLM's kv_cache_memory_bytes; default on the CPU {format_bytes(CPU_KV_CACHE_BYTES)} (unless "
+        "--gpu-memory-utilization is given), on a GPU vLLM's own sizing",
+    )
+    p.add_argument(
+        "--server",
+        action="store_true",
+        help="time vLLM's OpenAI server instead of LLM(): process start -> /health 200 -> first completion",
+    )
     p.add_argument("--json", metavar="FILE", type=Path, help=f"write every run ({SCHEMA_ID}) to FILE")
     p.add_argument(
         "--timeout",
@@ -195,6 +219,102 @@ def call(
     return None, output + f"\nexit status {proc.returncode}", started
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def server_args(request: dict[str, Any], port: int) -> list[str]:
+    """vLLM's OpenAI server command line for ``request`` (the same settings the LLM() child uses)."""
+    args = ["-m", "vllm.entrypoints.openai.api_server", "--model", request["model"]]
+    args += ["--load-format", request["load_format"], "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--max-model-len", str(request["max_model_len"]), "--max-num-seqs", "4", "--seed", "0"]
+    if request["enforce_eager"]:
+        args.append("--enforce-eager")
+    if request.get("gpu_memory_utilization") is not None:
+        args += ["--gpu-memory-utilization", str(request["gpu_memory_utilization"])]
+    if request.get("kv_cache_bytes") is not None:
+        args += ["--kv-cache-memory-bytes", str(request["kv_cache_bytes"])]
+    if request.get("model_loader_extra_config"):
+        args += ["--model-loader-extra-config", json.dumps(request["model_loader_extra_config"])]
+    return args
+
+
+def _get(url: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any] | None:
+    """GET (or POST ``body`` as JSON); the decoded answer ({} when it is not JSON), None if no 200."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            if response.status != 200:
+                return None
+            text = response.read()
+    except (urllib.error.URLError, OSError):
+        return None
+    try:
+        answer: dict[str, Any] = json.loads(text)
+    except ValueError:
+        return {}
+    return answer
+
+
+def call_server(
+    python: str, request: dict[str, Any], env: dict[str, str], cwd: Path, timeout: float
+) -> tuple[dict[str, Any] | None, str, float]:
+    """Starts vLLM's OpenAI server, waits for /health, asks for one token, stops the server's
+    process group; (the result or None, the server's log, the wall time it was started at)."""
+    port = _free_port()
+    log_path = cwd / f"server-{port}.log"
+    with log_path.open("w") as log:
+        started = time.time()
+        proc = subprocess.Popen(
+            [python, *server_args(request, port)],
+            cwd=cwd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        result = _first_completion(proc, f"http://127.0.0.1:{port}", request, time.monotonic() + timeout)
+    finally:
+        _stop(proc)
+    output = log_path.read_text(errors="replace")
+    if result is None:
+        output += f"\nno completion (server exit status {proc.returncode})"
+    return result, output, started
+
+
+def _first_completion(
+    proc: subprocess.Popen[bytes], base: str, request: dict[str, Any], deadline: float
+) -> dict[str, Any] | None:
+    """Polls /health until 200, then asks for one greedy token; None if the server died or time ran out."""
+    while proc.poll() is None and time.monotonic() < deadline:
+        if _get(f"{base}/health", None, 5) is None:
+            time.sleep(_HEALTH_POLL_S)
+            continue
+        ready = time.time()
+        body = {"model": request["model"], "prompt": request["prompt"], "max_tokens": 1, "temperature": 0}
+        answer = _get(f"{base}/v1/completions", body, max(1.0, deadline - time.monotonic()))
+        if answer is None:
+            return None
+        return {"ready": ready, "first_token": time.time(), "text": answer["choices"][0]["text"]}
+    return None
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server and the engine processes it started; SIGKILL after 30 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _error_tail(output: str) -> str:
     lines = [line for line in output.splitlines() if line.strip()]
     errors = [line for line in lines if "Error" in line or "error" in line]
@@ -204,8 +324,8 @@ def _error_tail(output: str) -> str:
 def run_all(
     args: argparse.Namespace, formats: Sequence[str], files: Sequence[Path], progress: Callable[[str], None]
 ) -> dict[str, list[dict[str, Any]]]:
-    weights_bytes = sum(f.stat().st_size for f in files)
     env = _child_env(args.in_process)
+    start = call_server if args.server else call
     runs: dict[str, list[dict[str, Any]]] = {f: [] for f in formats}
     total = args.repeat * len(formats)
     n = 0
@@ -227,11 +347,11 @@ def run_all(
                     "max_model_len": args.max_model_len,
                     "enforce_eager": not args.compile,
                     "gpu_memory_utilization": args.gpu_memory_utilization,
-                    "weights_bytes": weights_bytes,
+                    "kv_cache_bytes": args.kv_cache_bytes,
                     "model_loader_extra_config": args.streamer_config if fmt == "streamer" else {},
                     "prompt": PROMPT,
                 }
-                result, output, started = call(args.python, request, env, Path(scratch), args.timeout)
+                result, output, started = start(args.python, request, env, Path(scratch), args.timeout)
                 run.update(parse_log(output))
                 if result is None:
                     run["error"] = _error_tail(output)
@@ -239,12 +359,15 @@ def run_all(
                 else:
                     run.update(
                         valid=True,
-                        import_s=result["imported"] - started,
                         ready_s=result["ready"] - started,
                         first_token_s=result["first_token"] - started,
-                        token_ids=result["token_ids"],
-                        gpu_memory_utilization=result.get("gpu_memory_utilization"),
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_cache_bytes=args.kv_cache_bytes,
                     )
+                    if "imported" in result:  # the LLM() child; the server says only when it is up
+                        run.update(import_s=result["imported"] - started, token_ids=result["token_ids"])
+                    else:
+                        run.update(text=result["text"])
                     progress(
                         f"[{n}/{total}] {fmt}: first token {run['first_token_s']:.2f} s "
                         f"(ready {run['ready_s']:.2f} s, weights {_s(run.get('weights_s'))})"
@@ -283,6 +406,7 @@ def summarize(fmt: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "median_weights_s": _median(values("weights_s")),
         "weights_from": weights_from,
         "median_init_engine_s": _median(values("init_engine_s")),
+        "median_compile_s": _median(values("compile_s")),
         "ratio_vs_streamer": None,
         "runs": runs,
     }
@@ -293,7 +417,8 @@ def _s(value: float | None) -> str:
 
 
 def render(doc: dict[str, Any]) -> str:
-    header = ["load format", "runs", "first token", "min-max", "engine ready", "weights", "vs streamer"]
+    ready = "/health 200" if doc["options"]["server"] else "engine ready"
+    header = ["load format", "runs", "first token", "min-max", ready, "weights", "engine init", "vs streamer"]
     rows = [header]
     for r in doc["results"]:
         low, high = r["min_first_token_s"], r["max_first_token_s"]
@@ -307,18 +432,23 @@ def render(doc: dict[str, Any]) -> str:
                 _s(r["median_ready_s"]),
                 _s(r["median_weights_s"])
                 + (" *" if r["weights_from"] and r["weights_from"] != "log" else ""),
+                _s(r["median_init_engine_s"]),
                 "-" if ratio is None else f"{ratio:.2f}x",
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = [
         f"vLLM cold start, {doc['model']['path']} ({format_bytes(doc['model']['weights_bytes'])} of "
-        f"safetensors), medians of {doc['options']['repeat']} run(s) from process start",
+        f"safetensors), {'OpenAI server' if doc['options']['server'] else 'LLM()'}, medians of "
+        f"{doc['options']['repeat']} run(s) from process start",
         "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)),
         "  ".join("-" * w for w in widths),
     ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows[1:]]
-    notes = ["vs streamer: that format's first-token time / streamer's (above 1: slower than streamer)"]
+    notes = [
+        "vs streamer: that format's first-token time / streamer's (above 1: slower than streamer)",
+        "weights: vLLM's 'Loading weights took' line; engine init: its profile + KV cache + warm-up line",
+    ]
     if any(r["weights_from"] and r["weights_from"] != "log" for r in doc["results"]):
         notes.append("*: from the Run:ai progress bar (1 s resolution; that loader logs no time)")
     if doc["tokens_agree"] is False:
@@ -340,7 +470,10 @@ def document(
         if ours is not None and r["median_first_token_s"]:
             r["ratio_vs_streamer"] = r["median_first_token_s"] / ours["median_first_token_s"]
     firsts = {
-        tuple(run["token_ids"]) for fmt_runs in runs.values() for run in fmt_runs if run.get("token_ids")
+        json.dumps(run.get("token_ids") or run.get("text"))
+        for fmt_runs in runs.values()
+        for run in fmt_runs
+        if run["valid"]
     }
     return {
         "schema": SCHEMA_ID,
@@ -364,6 +497,8 @@ def document(
             "enforce_eager": not args.compile,
             "max_model_len": args.max_model_len,
             "gpu_memory_utilization": args.gpu_memory_utilization,
+            "kv_cache_bytes": args.kv_cache_bytes,
+            "server": args.server,
             "streamer_config": args.streamer_config,
             "cache": "cold",
         },
@@ -396,6 +531,8 @@ def main(argv: Sequence[str]) -> int:
         probed, output, _ = call(args.python, {"action": "probe"}, _child_env(False), Path(scratch), 600)
     if probed is None:
         parser.error(f"--python {args.python}: cannot run it: {_error_tail(output)}")
+    if args.kv_cache_bytes is None and args.gpu_memory_utilization is None and not probed.get("cuda"):
+        args.kv_cache_bytes = CPU_KV_CACHE_BYTES
     if not probed.get("vllm"):
         parser.error(
             f"--python {args.python} cannot import vllm ({probed.get('vllm_error')}): {INSTALL['vllm']}"

@@ -22,10 +22,12 @@ RESULT_MARK = "VLLM_RESULT "
 
 
 def probe() -> dict[str, Any]:
-    """Which of vLLM, the plugin and Run:ai's streamer this interpreter has."""
+    """Which of vLLM, the plugin and Run:ai's streamer this interpreter has, and whether it sees a GPU."""
     import importlib.metadata
 
-    found: dict[str, Any] = {}
+    import torch
+
+    found: dict[str, Any] = {"cuda": torch.cuda.is_available()}
     for name in ("vllm", "streamer_vllm", "runai_model_streamer"):
         try:
             __import__(name)
@@ -40,17 +42,6 @@ def probe() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             pass
     return found
-
-
-def _auto_memory_fraction(weights_bytes: int) -> float | None:
-    """On the CPU vLLM reserves this share of RAM for the worker (weights + KV cache), default 0.92,
-    which fails when anything else uses memory: ask for the weights twice over plus 2 GiB."""
-    import torch
-
-    if torch.cuda.is_available():
-        return None  # vLLM's own default on a GPU
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return round(min(0.9, (2 * weights_bytes + (2 << 30)) / total), 3)
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -70,10 +61,10 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     if request.get("model_loader_extra_config"):
         kwargs["model_loader_extra_config"] = request["model_loader_extra_config"]
     fraction = request.get("gpu_memory_utilization")
-    if fraction is None:
-        fraction = _auto_memory_fraction(request["weights_bytes"])
     if fraction is not None:
         kwargs["gpu_memory_utilization"] = fraction
+    if request.get("kv_cache_bytes") is not None:
+        kwargs["kv_cache_memory_bytes"] = request["kv_cache_bytes"]
     llm = LLM(**kwargs)
     ready = time.time()
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -85,6 +76,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "first_token": first,
         "token_ids": list(outputs[0].outputs[0].token_ids),
         "gpu_memory_utilization": fraction,
+        "kv_cache_bytes": request.get("kv_cache_bytes"),
         "vllm_version": getattr(vllm, "__version__", None),
     }
 

@@ -12,7 +12,9 @@ its copy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, cast
@@ -22,9 +24,14 @@ from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
 import streamer
+from streamer.progress import ByteProgress
+from streamer.sources import SourceLike
 from streamer_vllm.checks import check_all_loaded, target_device
+from streamer_vllm.hub import fetch_from_hub
+from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
 
 # Under ``vllm.`` so that vLLM's own logging configuration (handler, format, level) applies.
@@ -43,27 +50,48 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
                 f"got {type(extra).__name__}"
             )
         self.options: LoaderOptions = parse_options(extra)
+        defaults = LoadConfig()
+        fields = [f.name for f in dataclasses.fields(load_config)]
+        unknown = check_load_config(
+            {name: getattr(load_config, name) for name in fields},
+            {name: getattr(defaults, name) for name in fields},
+        )
+        if unknown:
+            fields_text = ", ".join(unknown)
+            logger.warning("load format 'streamer' does not act on LoadConfig field(s): %s", fields_text)
 
-    def _source(self, model_config: ModelConfig) -> str:
-        model = getattr(model_config, "model_weights", "") or model_config.model
-        return weights_source(self.options, model)
+    def _source(self, model_config: ModelConfig, model: nn.Module | None = None) -> SourceLike:
+        """What streamer reads: ``weights``, else the model's directory or S3 URI, else the model id
+        fetched from the Hugging Face hub (or its cache) as the default loader fetches it."""
+        location = getattr(model_config, "model_weights", "") or model_config.model
+        local = os.path.exists(os.path.expanduser(location))
+        if self.options.weights is not None or is_remote(location) or local:
+            return weights_source(self.options, location)
+        overrides = getattr(model, "allow_patterns_overrides", None)
+        fetched = fetch_from_hub(location, model_config.revision, self.load_config, overrides)
+        return fetched if isinstance(fetched, list) else weights_source(self.options, fetched)
 
     def download_model(self, model_config: ModelConfig) -> None:
-        """Nothing to download: checks that the weights are where they are said to be."""
+        """Downloads a model id's safetensors; checks that local weights are where they are said to be."""
         source = self._source(model_config)
-        if not is_remote(source):
+        if not (isinstance(source, str) and is_remote(source)):
             streamer.open(source).close()  # resolves the files and parses every header
 
     def iterate_weights(
-        self, source: str, device: str, metrics: dict[str, Any]
+        self, source: SourceLike, device: str, metrics: dict[str, Any]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as it completes, uncopied; ``metrics`` gets streamer's once all were read."""
         with streamer.open(source, device=device, config=self.options.config) as handle:
-            yield from handle
+            show = enable_tqdm(self.load_config.use_tqdm_on_load)
+            with ByteProgress(handle.nbytes, desc="Loading safetensors using streamer", enabled=show) as bar:
+                for name, tensor in handle:
+                    bar.update(tensor.nbytes)
+                    yield name, tensor
+                    del tensor  # vLLM's reference alone decides when its buffer is free
         metrics.update(handle.metrics)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        source = self._source(model_config)
+        source = self._source(model_config, model)
         device = target_device(model)
         metrics: dict[str, Any] = {}
         started = time.perf_counter()

