@@ -124,3 +124,8 @@ class S3Error(ReadError):
 
 class S3SourceError(SourceError, S3Error):
     """The bucket, object or prefix does not exist or access is denied (403, 404, empty prefix)."""
+
+
+class S3MissingError(S3SourceError, FileNotFoundError):
+    """The bucket or object does not exist (404): also a ``FileNotFoundError``, as a missing local
+    file is."""

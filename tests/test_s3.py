@@ -211,9 +211,11 @@ def test_bad_uris_and_missing_things(s3_server: str, single: Written, tmp_path: 
     with pytest.raises(S3SourceError, match="no such bucket") as info:
         streamer.load("s3://no-such-bucket/x.safetensors", config=c)
     assert info.value.status == 404 and info.value.attempts == 1
+    assert isinstance(info.value, FileNotFoundError)  # as a missing local file is
     with pytest.raises(S3SourceError, match="no such object") as info:
         streamer.load(f"s3://{BUCKET}/single/missing.safetensors", config=c)
     assert info.value.key == "single/missing.safetensors" and info.value.attempts == 1
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, streamer.S3MissingError)
     with pytest.raises(S3SourceError, match=r"no \*\.safetensors object"):
         streamer.load(f"s3://{BUCKET}/empty-prefix/", config=c)
     local = write_checkpoint(tmp_path, {"a": torch.ones(3)}, index=False).shards[0]

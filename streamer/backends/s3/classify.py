@@ -35,6 +35,7 @@ CHANGED = "the object changed during the load (its ETag or size is not the heade
 GONE_CODES = frozenset(
     {"NoSuchKey", "NoSuchBucket", "AccessDenied", "NotFound", "Forbidden", "NoCredentials"}
 )
+MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound"})
 
 
 class Retry(Exception):
@@ -69,7 +70,7 @@ def _classify_status(
         return Retry("the server asked to retry", status, code)
     if status == 412 or code == "PreconditionFailed":
         return Fatal(CHANGED, status, code)
-    if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "NotFound"):
+    if status == 404 or code in MISSING_CODES:
         what = "bucket" if code == "NoSuchBucket" else "object"
         return Fatal(f"no such {what}", status, code)
     if status == 403 or code in ("AccessDenied", "Forbidden"):

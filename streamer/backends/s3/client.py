@@ -39,6 +39,7 @@ from streamer.backends.http import (
 from streamer.backends.s3.classify import (
     CHANGED,
     GONE_CODES,
+    MISSING_CODES,
     REDIRECT_CODES,
     REDIRECTS,
     Fatal,
@@ -51,7 +52,7 @@ from streamer.backends.s3.classify import (
 from streamer.backends.s3.redact import REDACTOR
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
 from streamer.config import S3Config
-from streamer.errors import ConfigError, S3Error, S3SourceError
+from streamer.errors import ConfigError, S3Error, S3MissingError, S3SourceError
 
 T = TypeVar("T")
 
@@ -281,7 +282,9 @@ class S3Client:
                     failure.status in (403, 404, 407, *REDIRECTS)
                     or failure.code in GONE_CODES | REDIRECT_CODES
                 )
-                raise (S3SourceError if gone else S3Error)(failure.reason, **where)
+                missing = failure.status == 404 or failure.code in MISSING_CODES
+                kind = (S3MissingError if missing else S3SourceError) if gone else S3Error
+                raise kind(failure.reason, **where)
             delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
             out_of_time = time.monotonic() - started + delay > c.retry_deadline
             past_until = until is not None and time.monotonic() + delay >= until

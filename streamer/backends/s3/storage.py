@@ -104,7 +104,7 @@ async def _open(client: S3Client, uris: list[S3Uri], *, single: bool) -> Opened:
         fronts = await asyncio.gather(*(front(u) for u in files))
     except S3SourceError as error:
         if index_path is not None:
-            raise S3SourceError(
+            raise type(error)(
                 f"the index references a missing or forbidden shard {error.key!r}: {error.reason}",
                 bucket=error.bucket,
                 key=error.key,
