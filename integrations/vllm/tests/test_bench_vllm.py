@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -18,20 +19,25 @@ import tiny_model
 from streamer.bench import vllm_bench
 
 
-def test_bench_vllm_every_format(tmp_path: Path) -> None:
+def bench_vllm(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
+    """One repeat of ``streamer-bench vllm`` on the tiny model: its table and its (valid) JSON."""
     model = tiny_model.build(tmp_path / "tiny")
     out = tmp_path / "vllm.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
-    args = [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(model), "--repeat", "1"]
-    args += ["--in-process", "--streamer-config", '{"concurrency": 2}', "--json", str(out)]
+    args = [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(model), "--repeat", "1", *extra]
+    args += ["--json", str(out)]
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = proc.stdout
+    doc = json.loads(out.read_text())
+    jsonschema.validate(doc, json.loads(vllm_bench.SCHEMA_PATH.read_text()))
+    return proc.stdout, doc
+
+
+def test_bench_vllm_every_format(tmp_path: Path) -> None:
+    table, doc = bench_vllm(tmp_path, "--in-process", "--streamer-config", '{"concurrency": 2}')
     for fmt in ("safetensors", "runai_streamer", "streamer"):
         assert fmt in table
     assert "first token" in table and "vs streamer" in table
-    doc = json.loads(out.read_text())
-    jsonschema.validate(doc, json.loads(vllm_bench.SCHEMA_PATH.read_text()))
     assert [r["load_format"] for r in doc["results"]] == ["safetensors", "runai_streamer", "streamer"]
     assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
     assert doc["tokens_agree"] is True
@@ -46,16 +52,8 @@ def test_bench_vllm_every_format(tmp_path: Path) -> None:
 
 def test_bench_vllm_server_mode(tmp_path: Path) -> None:
     """--server: vLLM's OpenAI server per format, from process start to /health to the first completion."""
-    model = tiny_model.build(tmp_path / "tiny")
-    out = tmp_path / "vllm.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
-    args = [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(model), "--repeat", "1"]
-    args += ["--server", "--load-formats", "safetensors,streamer", "--json", str(out)]
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "/health 200" in proc.stdout and "OpenAI server" in proc.stdout
-    doc = json.loads(out.read_text())
-    jsonschema.validate(doc, json.loads(vllm_bench.SCHEMA_PATH.read_text()))
+    table, doc = bench_vllm(tmp_path, "--server", "--load-formats", "safetensors,streamer")
+    assert "/health 200" in table and "OpenAI server" in table
     assert doc["options"]["server"] is True
     assert doc["options"]["kv_cache_bytes"] == vllm_bench.CPU_KV_CACHE_BYTES
     assert all(r["status"] == "ok" for r in doc["results"]), doc["results"]
