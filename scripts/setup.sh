@@ -15,9 +15,11 @@ fi
 . "$venv/bin/activate"
 pip_quiet() { python -m pip "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 pip_quiet install -q --upgrade pip
-# torch first and pinned exactly: an unpinned resolve pulls a multi-GB CUDA build.
-pip_quiet install -q torch==2.13.0
-python -m pip install -q '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+# The package asks for torch>=2.4; constraints/ci.txt pins the CPU build on this machine's disk
+# (an unconstrained resolve pulls a multi-GB CUDA build). Before the rename to streamer-weights the
+# distribution was called streamer: an old venv's copy is removed so two records do not share files.
+pip_quiet uninstall -y -q streamer streamer-vllm | grep -v '^WARNING: Skipping' || true
+python -m pip install -q -c constraints/ci.txt '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
 # The vLLM plugin (no dependency on vLLM): its vLLM-free parts are tested by the main suite.
 python -m pip install -q --no-deps ./integrations/vllm 2>&1 | grep -v '^WARNING: Location' || true
 (cd / && python -c "import streamer.engine.native as n; n._lib()") || { echo "[setup] streamer failed to install" >&2; exit 1; }

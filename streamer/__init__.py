@@ -1,5 +1,6 @@
 """streamer: load safetensors checkpoints from storage into memory at the speed of the hardware."""
 
+from streamer._version import __version__
 from streamer.api import IncompatibleKeys, Streamer, load, load_file, load_into, open
 from streamer.config import S3Config, StreamerConfig
 from streamer.dropin import TensorSlice, safe_open
@@ -19,8 +20,6 @@ from streamer.errors import (
     StreamerError,
     TruncatedFileError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",

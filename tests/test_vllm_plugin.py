@@ -132,7 +132,7 @@ def test_entry_point_and_lazy_imports() -> None:
     ours = [p for p in points if p.value == "streamer_vllm:register"]
     assert ours and ours[0].name == "streamer"
     assert "vllm" not in sys.modules  # importing the plugin package imports no vLLM
-    requires = importlib.metadata.requires("streamer-vllm") or []
+    requires = importlib.metadata.requires("streamer-weights-vllm") or []
     assert not [r for r in requires if r.split()[0].lower().startswith("vllm")]
 
 

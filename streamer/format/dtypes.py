@@ -4,6 +4,10 @@ The table is every dtype that ``safetensors.torch`` 0.8 loads into torch: its ``
 ``F8_E8M0`` (``float8_e8m0fnu``) and ``F4`` (``float4_e2m1fn_x2``, two values per byte), which
 its Rust side maps. ``F6_E2M3``/``F6_E3M2`` are safetensors dtypes with no torch type; a header
 that uses them is rejected (``NO_TORCH_DTYPE``) rather than loaded into a wrong-sized buffer.
+
+The oldest torch streamer supports lacks some of these (``float8_e8m0fnu``, ``float4_e2m1fn_x2``,
+...): the table holds what this torch has, and ``NO_TORCH_DTYPE`` says, for the rest, which torch
+dtype is missing, so ``import streamer`` works and a header using one fails naming the tensor.
 """
 
 from __future__ import annotations
@@ -36,36 +40,54 @@ class DType:
         return 8 * self.itemsize // self.per_item
 
 
-def _table(*entries: tuple[str, torch.dtype, int]) -> Mapping[str, DType]:
-    # The size comes from torch itself, so the table cannot disagree with the tensors we build.
-    return MappingProxyType({name: DType(name, dt, dt.itemsize, per_item) for name, dt, per_item in entries})
-
-
-DTYPES: Mapping[str, DType] = _table(
-    ("F64", torch.float64, 1),
-    ("F32", torch.float32, 1),
-    ("F16", torch.float16, 1),
-    ("BF16", torch.bfloat16, 1),
-    ("I64", torch.int64, 1),
-    ("I32", torch.int32, 1),
-    ("I16", torch.int16, 1),
-    ("I8", torch.int8, 1),
-    ("U8", torch.uint8, 1),
-    ("BOOL", torch.bool, 1),
-    ("F8_E4M3", torch.float8_e4m3fn, 1),
-    ("F8_E4M3FNUZ", torch.float8_e4m3fnuz, 1),
-    ("F8_E5M2", torch.float8_e5m2, 1),
-    ("F8_E5M2FNUZ", torch.float8_e5m2fnuz, 1),
-    ("F8_E8M0", torch.float8_e8m0fnu, 1),
-    ("C64", torch.complex64, 1),
-    ("U64", torch.uint64, 1),
-    ("U32", torch.uint32, 1),
-    ("U16", torch.uint16, 1),
-    ("F4", torch.float4_e2m1fn_x2, 2),
+# safetensors name, torch attribute, header elements per torch element.
+_NAMES: tuple[tuple[str, str, int], ...] = (
+    ("F64", "float64", 1),
+    ("F32", "float32", 1),
+    ("F16", "float16", 1),
+    ("BF16", "bfloat16", 1),
+    ("I64", "int64", 1),
+    ("I32", "int32", 1),
+    ("I16", "int16", 1),
+    ("I8", "int8", 1),
+    ("U8", "uint8", 1),
+    ("BOOL", "bool", 1),
+    ("F8_E4M3", "float8_e4m3fn", 1),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz", 1),
+    ("F8_E5M2", "float8_e5m2", 1),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz", 1),
+    ("F8_E8M0", "float8_e8m0fnu", 1),
+    ("C64", "complex64", 1),
+    ("U64", "uint64", 1),
+    ("U32", "uint32", 1),
+    ("U16", "uint16", 1),
+    ("F4", "float4_e2m1fn_x2", 2),
 )
 
-# safetensors dtypes that torch cannot hold; safetensors itself refuses to load them into torch.
-NO_TORCH_DTYPE = frozenset({"F6_E2M3", "F6_E3M2"})
+
+def _table() -> Mapping[str, DType]:
+    # The size comes from torch itself, so the table cannot disagree with the tensors we build.
+    found = ((name, getattr(torch, attr, None), per_item) for name, attr, per_item in _NAMES)
+    return MappingProxyType(
+        {name: DType(name, dt, dt.itemsize, n) for name, dt, n in found if isinstance(dt, torch.dtype)}
+    )
+
+
+DTYPES: Mapping[str, DType] = _table()
+
+# safetensors dtypes this torch cannot hold -> why, in the words a header error gives.
+NO_TORCH_DTYPE: Mapping[str, str] = MappingProxyType(
+    {
+        "F6_E2M3": "has no torch equivalent (safetensors cannot load it either)",
+        "F6_E3M2": "has no torch equivalent (safetensors cannot load it either)",
+        **{
+            name: f"has no torch equivalent in torch {torch.__version__} "
+            f"(torch.{attr} is newer: upgrade torch)"
+            for name, attr, _ in _NAMES
+            if name not in DTYPES
+        },
+    }
+)
 
 _BY_TORCH: Mapping[torch.dtype, DType] = MappingProxyType({d.torch_dtype: d for d in DTYPES.values()})
 

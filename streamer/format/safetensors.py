@@ -343,7 +343,7 @@ def _entry(name: str, value: object, *, path: str, data_start: int) -> TensorEnt
         (dtype_name,) = dtype_name  # serde also reads the enum value "U8" from {"U8": null}
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         if isinstance(dtype_name, str) and dtype_name in NO_TORCH_DTYPE:
-            raise fail(f"dtype {dtype_name} has no torch equivalent (safetensors cannot load it either)")
+            raise fail(f"dtype {dtype_name} {NO_TORCH_DTYPE[dtype_name]}")
         raise fail(f"unsupported dtype {_show(dtype_name)} (supported: {', '.join(DTYPES)})")
     dtype = DTYPES[dtype_name]
 

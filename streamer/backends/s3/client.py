@@ -36,6 +36,7 @@ from streamer.backends.http import (
     content_range,
     ssl_context,
 )
+from streamer.backends.optional import require_s3
 from streamer.backends.s3.classify import (
     CHANGED,
     GONE_CODES,
@@ -101,6 +102,7 @@ class S3Client:
     """An aiobotocore S3 client on a private event loop thread. Use as a context manager or ``close()``."""
 
     def __init__(self, config: S3Config, *, pool: int | None = None) -> None:
+        require_s3()
         self.config = config
         self.requests = 0
         self.retries = 0
