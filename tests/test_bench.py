@@ -166,7 +166,9 @@ def test_rounds_after_the_first_are_shuffled_so_neighbours_change(
     order: list[int] = []
     monkeypatch.setattr(runner, "_prepare", lambda config, state: (0, None))
 
-    def child(request: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    def child(
+        request: dict[str, Any], env: dict[str, str], timeout: float, python: str | None
+    ) -> dict[str, Any]:
         order.append(request["knobs"]["concurrency"])
         return {"ok": False, "error": "not run"}
 
