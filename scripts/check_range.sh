@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 else
   echo "[range] reusing $venv"
 fi
-pip_quiet install -q -c constraints/oldest.txt . 'pytest>=8'  # what the tests below import
+pip_quiet install -q -c constraints/oldest.txt '.[s3]' 'pytest>=8'  # what the tests below import (S3 errors too)
 pip_quiet install -q --no-deps ./integrations/vllm  # its metadata is tested (test_packaging.py)
 (cd / && "$venv/bin/python" -c "import streamer.engine.native as n; n._lib()") \
   || { echo "[range] streamer failed to install" >&2; exit 1; }
