@@ -223,7 +223,7 @@ class StreamerConfig:
         read needs of it, else with O_DIRECT; ``buffered`` or ``direct`` force one strategy.
     hugepages: back CPU destinations with transparent huge pages. Off by default: on the
         VMs we measure on, fresh huge pages fault in at 1.3-6.9 GB/s from run to run while
-        4 KiB pages hold a steady ~2.4 GB/s (see the issue notes); bare metal may prefer on.
+        4 KiB pages hold a steady ~2.4 GB/s (streamer-bench's first_touch ceilings); bare metal may prefer on.
     """
 
     concurrency: int = field(default_factory=lambda: _env_int("STREAMER_CONCURRENCY", 8))
