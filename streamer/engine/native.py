@@ -246,9 +246,20 @@ class Engine:
             self._lib.se_engine_destroy(handle)
 
 
+# Smaller buffers keep 4 KiB pages (numpy's rule too): a huge page would be mostly waste.
+HUGEPAGE_MIN_BYTES = 4 << 20
+
+
+def _huge(size: int, hugepages: bool) -> int:
+    return int(hugepages and size >= HUGEPAGE_MIN_BYTES)
+
+
 def allocate(size: int, hugepages: bool) -> Any:
-    """Anonymous memory that nothing owns yet: pass it to ``own``, or to ``free``."""
-    pointer = _lib().se_alloc(size, int(hugepages))
+    """Anonymous memory that nothing owns yet: pass it to ``own``, or to ``free``.
+
+    ``hugepages``: advise transparent huge pages, for buffers of ``HUGEPAGE_MIN_BYTES`` or more.
+    """
+    pointer = _lib().se_alloc(size, _huge(size, hugepages))
     if pointer == ffi.NULL:
         raise MemoryError(f"cannot allocate {size} bytes of host memory")
     return pointer
@@ -256,7 +267,7 @@ def allocate(size: int, hugepages: bool) -> Any:
 
 def free(pointer: Any, size: int, hugepages: bool) -> None:
     """Unmaps memory from ``allocate``; ``size`` and ``hugepages`` as given to it."""
-    _lib().se_free(pointer, size, int(hugepages))
+    _lib().se_free(pointer, size, _huge(size, hugepages))
 
 
 def populate(address: int, size: int) -> bool:
