@@ -33,6 +33,9 @@ from streamer_vllm.checks import check_all_loaded, target_device
 from streamer_vllm.hub import fetch_from_hub
 from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
+from streamer_vllm.sources import StreamedSource, delegated_weights, files_in_use, secondary_sources
+
+Metrics = list[tuple[str, dict[str, Any]]]  # per checkpoint read: where from, streamer's metrics
 
 # Under ``vllm.`` so that vLLM's own logging configuration (handler, format, level) applies.
 logger = logging.getLogger("vllm.plugins.streamer")
@@ -78,34 +81,66 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             streamer.open(source).close()  # resolves the files and parses every header
 
     def iterate_weights(
-        self, source: SourceLike, device: str, metrics: dict[str, Any]
+        self, source: StreamedSource, device: str, metrics: Metrics
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor as it completes, uncopied; ``metrics`` gets streamer's once all were read."""
-        with streamer.open(source, device=device, config=self.options.config) as handle:
+        """Every tensor of ``source`` as it completes, uncopied; ``metrics`` gets streamer's once
+        all were read. Shards holding only weights the model never loads are not read."""
+        with self._open(source, device) as handle:
             show = enable_tqdm(self.load_config.use_tqdm_on_load)
             with ByteProgress(handle.nbytes, desc="Loading safetensors using streamer", enabled=show) as bar:
                 for name, tensor in handle:
                     bar.update(tensor.nbytes)
-                    yield name, tensor
+                    yield source.prefix + name, tensor
                     del tensor  # vLLM's reference alone decides when its buffer is free
-        metrics.update(handle.metrics)
+        metrics.append((str(source.source), handle.metrics))
+
+    def _open(self, source: StreamedSource, device: str) -> streamer.Streamer:
+        """``source`` opened, less the shards holding only weights the model never loads."""
+        handle = streamer.open(source.source, device=device, config=self.options.config)
+        if source.is_unused is None:
+            return handle
+        try:
+            kept = files_in_use(handle.checkpoint, source.is_unused)
+        except BaseException:
+            handle.close()
+            raise
+        if kept is None:
+            return handle
+        handle.close()
+        logger.info("Reading the %d shard(s) holding weights the model loads", len(kept))
+        return streamer.open(kept, device=device, config=self.options.config)
+
+    def all_weights(
+        self, model: nn.Module, model_config: ModelConfig, device: str, metrics: Metrics
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's checkpoint, then its ``secondary_weights``, as the default loader orders them."""
+        primary = StreamedSource(
+            self._source(model_config, model), is_unused=getattr(model, "is_unused_checkpoint_weight", None)
+        )
+        yield from self.iterate_weights(primary, device, metrics)
+        for extra in secondary_sources(model, self.load_config):
+            if isinstance(extra, StreamedSource):
+                yield from self.iterate_weights(extra, device, metrics)
+            else:
+                logger.info("Secondary weights %r: not safetensors, vLLM's loader reads them", extra.source)
+                yield from delegated_weights(extra)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        source = self._source(model_config, model)
         device = target_device(model)
-        metrics: dict[str, Any] = {}
+        metrics: Metrics = []
         started = time.perf_counter()
         # vLLM models define load_weights(Iterable[(name, tensor)]) -> set of loaded parameter names
-        loaded = cast(Any, model).load_weights(self.iterate_weights(source, device, metrics))
+        loaded = cast(Any, model).load_weights(self.all_weights(model, model_config, device, metrics))
         seconds = time.perf_counter() - started
-        nbytes = int(metrics.get("bytes", 0))
-        why = metrics.get("memory_limit_source")  # CPU streaming only; a GPU load goes through the ring
-        budget = f", memory_limit {metrics.get('memory_limit')} ({why})" if why else ""
+        nbytes = sum(int(m.get("bytes", 0)) for _, m in metrics)
+        first = metrics[0][1] if metrics else {}
+        why = first.get("memory_limit_source")  # CPU streaming only; a GPU load goes through the ring
+        budget = f", memory_limit {first.get('memory_limit')} ({why})" if why else ""
         logger.info(
             "Loading weights took %.2f seconds (streamer: %d bytes from %s to %s, %.2f GB/s%s)",
             seconds,
             nbytes,
-            source,
+            " + ".join(where for where, _ in metrics),
             device,
             nbytes / seconds / 1e9 if seconds > 0 else 0.0,
             budget,
