@@ -5,8 +5,8 @@ by a ``Streamer`` handle, so local files and ``s3://`` objects take the same pat
 ``metrics`` count every byte. ``get_slice(name)[index]`` reads only the bytes the index needs
 (see ``streamer.slicing``): a rank of a tensor-parallel group reads its shard of a weight, e.g.
 ``[rank * k:(rank + 1) * k]`` (one contiguous read, returned as a view of it) or
-``[:, rank * k:(rank + 1) * k]`` (the rows that cover it, or run by run where runs are more than a
-read block apart, as the slices of a stacked expert weight are).
+``[:, rank * k:(rank + 1) * k]`` (the rows that cover it where the gaps between its runs cost less
+to read than another request, strided ranges where they cost more: see ``ReadCost``).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class TensorSlice:
             layout,
             base=entry.begin,
             itemsize=itemsize,
-            block_size=self._handle.config.block_size,
+            request_bytes=self._handle.read_cost.request_bytes,
         )
         pieces = [_as_bits(p) for p in self._read([self._piece(b, e) for b, e in plan.ranges])]
         if len(pieces) == 1:
@@ -174,14 +174,7 @@ class TensorSlice:
                 return flat.view(layout.shape).view(dtype)  # the selection is the range read: no copy
             # A copy lets the covering bytes go (a shard must not pin the whole weight).
             return view.clone(memory_format=torch.contiguous_format).view(dtype)
-        parts = []
-        runs = iter(plan.runs)
-        for (begin, end), flat in zip(plan.ranges, pieces, strict=True):
-            for run_begin, run_end in runs:  # both in file order; each run lies in one range
-                parts.append(flat[(run_begin - begin) // itemsize : (run_end - begin) // itemsize])
-                if run_end == end:
-                    break
-        return torch.cat(parts).view(layout.shape).view(dtype)
+        return _gather(plan, pieces, itemsize).view(layout.shape).view(dtype)
 
     def _read(self, refs: list[TensorRef]) -> list[torch.Tensor]:
         """One run; once the ``safe_open`` is closed, what the run reopened (an S3 client) is closed again."""
@@ -197,6 +190,33 @@ class TensorSlice:
         name = f"{entry.name}[bytes {begin - entry.begin}:{end - entry.begin}]"
         shape = ((end - begin) // entry.dtype.itemsize,)
         return TensorRef(self._ref.file, TensorEntry(name, entry.dtype, shape, begin, end))
+
+
+def _gather(plan: slicing.ReadPlan, pieces: list[torch.Tensor], itemsize: int) -> torch.Tensor:
+    """The runs of ``plan``, in order, out of the ranges read (``pieces``), as one flat tensor.
+
+    A range holding evenly spaced runs of one length (every range of a 2-d slice) is one strided
+    view, so thousands of runs cost a few tensor calls, not a Python loop over them.
+    """
+    if len(pieces) == len(plan.runs):
+        return torch.cat(pieces)  # each range is one run
+    runs = torch.tensor(plan.runs, dtype=torch.int64)
+    ranges = torch.tensor(plan.ranges, dtype=torch.int64)
+    first = torch.searchsorted(runs[:, 0].contiguous(), ranges[:, 0].contiguous()).tolist()
+    parts = []
+    for (begin, _), flat, lo, hi in zip(plan.ranges, pieces, first, [*first[1:], len(runs)], strict=True):
+        inside = (runs[lo:hi] - begin) // itemsize
+        lengths = inside[:, 1] - inside[:, 0]
+        steps = inside[1:, 0] - inside[:-1, 0]
+        if bool((lengths == lengths[0]).all()) and bool((steps == (steps[0] if len(steps) else 0)).all()):
+            step = int(steps[0]) if len(steps) else 0
+            start, length = int(inside[0, 0]), int(lengths[0])
+            parts.append(
+                flat.as_strided((hi - lo, length), (step, 1), flat.storage_offset() + start).reshape(-1)
+            )
+        else:
+            parts.extend(flat[b:e] for b, e in inside.tolist())
+    return torch.cat(parts)
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -60,7 +60,7 @@ def test_runs_and_covering_hold_exactly_the_selection(shape: list[int], data: An
 
 def test_too_many_runs_are_not_listed() -> None:
     assert runs_of(select((slice(None), 0), (MAX_RUNS + 1, 2))) is None
-    only_covering = plan(select((slice(None), 0), (MAX_RUNS + 1, 2)), base=0, itemsize=1, block_size=1)
+    only_covering = plan(select((slice(None), 0), (MAX_RUNS + 1, 2)), base=0, itemsize=1, request_bytes=1)
     assert only_covering.ranges == ((0, 2 * MAX_RUNS + 1),)
 
 
@@ -78,16 +78,18 @@ def test_merge_joins_gaps_that_hold_no_block() -> None:
 
 
 def test_plan_reads_rows_as_one_range_and_far_runs_one_by_one() -> None:
-    rows = plan(select(slice(2, 4), (8, 1024)), base=100, itemsize=2, block_size=64 * KiB)
+    rows = plan(select(slice(2, 4), (8, 1024)), base=100, itemsize=2, request_bytes=64 * KiB)
     assert rows.ranges == rows.runs == ((100 + 2 * 2048, 100 + 4 * 2048),)
     # Columns of narrow rows: gaps smaller than a block, so one covering range.
-    narrow = plan(select((slice(None), slice(0, 8)), (64, 1024)), base=0, itemsize=4, block_size=64 * KiB)
+    narrow = plan(select((slice(None), slice(0, 8)), (64, 1024)), base=0, itemsize=4, request_bytes=64 * KiB)
     assert narrow.ranges == ((0, 63 * 4096 + 32),) and len(narrow.runs) == 64
     # Runs a MiB apart: read one by one.
-    far = plan(select((slice(None), slice(0, 1024)), (4, 1 << 20)), base=0, itemsize=1, block_size=64 * KiB)
+    far = plan(
+        select((slice(None), slice(0, 1024)), (4, 1 << 20)), base=0, itemsize=1, request_bytes=64 * KiB
+    )
     assert far.ranges == far.runs == tuple((i << 20, (i << 20) + 1024) for i in range(4))
     # Some runs close, some far: the close ones share a range.
-    mixed = plan(select((slice(None), slice(0, 2)), (4, 8)), base=0, itemsize=1, block_size=7)
+    mixed = plan(select((slice(None), slice(0, 2)), (4, 8)), base=0, itemsize=1, request_bytes=7)
     assert mixed.ranges == ((0, 26),) and len(mixed.runs) == 4
-    apart = plan(select((slice(None), slice(0, 2)), (4, 8)), base=0, itemsize=1, block_size=6)
+    apart = plan(select((slice(None), slice(0, 2)), (4, 8)), base=0, itemsize=1, request_bytes=6)
     assert apart.ranges == apart.runs == ((0, 2), (8, 10), (16, 18), (24, 26))
