@@ -12,7 +12,7 @@ ranges of their own: the covering rows or strided ranges, whichever costs less.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,12 +38,19 @@ class Layout:
 class ReadPlan:
     """Byte ranges of the file to read (sorted, disjoint), and the runs the selection is made of.
 
-    ``runs`` (absolute byte ranges, in the selection's row-major order) each lie inside one range;
-    with one range and one run, the selection is that range exactly.
+    The runs (``run_begins``: absolute byte offsets, int64, in the selection's row-major order,
+    each ``run_bytes`` long) each lie inside one range; with one range and one run, the selection
+    is that range exactly.
     """
 
     ranges: tuple[tuple[int, int], ...]
-    runs: tuple[tuple[int, int], ...]
+    run_begins: torch.Tensor = field(compare=False)
+    run_bytes: int
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The runs as ``(begin, end)`` pairs (a Python object per run: for inspection)."""
+        return tuple((begin, begin + self.run_bytes) for begin in self.run_begins.tolist())
 
 
 def is_basic(index: object) -> bool:
@@ -137,12 +144,11 @@ def plan(layout: Layout, *, base: int, itemsize: int, request_bytes: int) -> Rea
     if found is None:
         lo, hi = covering(layout)
         whole = (base + lo * itemsize, base + hi * itemsize)
-        return ReadPlan((whole,), (whole,))
+        return ReadPlan((whole,), torch.tensor([whole[0]]), whole[1] - whole[0])
     starts, length = found
     begins = base + starts * itemsize
-    ends = begins + length * itemsize
-    runs = torch.stack((begins, ends), dim=1)
-    return ReadPlan(_pairs(merged(runs, max_gap=request_bytes - 1)), _pairs(runs))
+    runs = torch.stack((begins, begins + length * itemsize), dim=1)
+    return ReadPlan(_pairs(merged(runs, max_gap=request_bytes - 1)), begins, length * itemsize)
 
 
 def merged(runs: torch.Tensor, *, max_gap: int) -> torch.Tensor:
