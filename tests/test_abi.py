@@ -17,14 +17,7 @@ HEADER = native._header_path()
 STRUCTS = {
     "se_unit": ["file", "begin", "end"],
     "se_block": [
-        "file",
-        "first_unit",
-        "last_unit",
-        "acc_begin",
-        "acc_end",
-        "read_offset",
-        "read_length",
-        "dst",
+        "file", "first_unit", "last_unit", "acc_begin", "acc_end", "read_offset", "read_length", "dst"
     ],
     "se_error_info": ["code", "sys_errno", "file", "offset", "expected", "got"],
     "se_stats": ["bytes_read", "blocks_done", "read_seconds", "idle_seconds"],
@@ -90,7 +83,9 @@ def test_struct_layout_matches_the_c_compiler(tmp_path: Path) -> None:
 
 
 def test_a_library_of_another_abi_version_is_refused(tmp_path: Path) -> None:
-    library = _shared_library(tmp_path, f"int se_abi_version(void) {{ return {native.ABI_VERSION + 1}; }}\n")
+    library = _shared_library(
+        tmp_path, f"int se_abi_version(void) {{ return {native.ABI_VERSION + 1}; }}\n"
+    )
     result = _load_with(library)
     assert result.returncode != 0
     assert "ImportError" in result.stderr and "stale build" in result.stderr
