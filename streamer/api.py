@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from streamer.backends import open_storage
-from streamer.backends.base import Storage
+from streamer.backends.base import ReadCost, Storage
 from streamer.checkpoint import Checkpoint, TensorRef, read_checkpoint
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine, parse_device
@@ -136,6 +136,11 @@ class Streamer:
         """The parsed headers and the name -> ``TensorRef`` table (what ``read`` takes)."""
         return self._checkpoint
 
+    @property
+    def read_cost(self) -> ReadCost:
+        """What one more read request costs this handle's storage (how ``get_slice`` plans)."""
+        return self._storage.read_cost
+
     def read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """The tensors of ``refs``, in the order given, from one run that keeps them all.
 
@@ -204,7 +209,12 @@ class Streamer:
         engine = copy_engine.staged_engine(self.device)
         if engine is None:
             config = dataclasses.replace(self.config, memory_limit=UNLIMITED) if keep_all else self.config
-            cpu = functools.partial(CpuSink, config, one_receiver=self._storage.one_receiver)
+            cpu = functools.partial(
+                CpuSink,
+                config,
+                one_receiver=self._storage.one_receiver,
+                request_bytes=self._storage.read_cost.request_bytes,
+            )
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
         staged = functools.partial(StagedSink, staging, self.config)

@@ -5,8 +5,8 @@ by a ``Streamer`` handle, so local files and ``s3://`` objects take the same pat
 ``metrics`` count every byte. ``get_slice(name)[index]`` reads only the bytes the index needs
 (see ``streamer.slicing``): a rank of a tensor-parallel group reads its shard of a weight, e.g.
 ``[rank * k:(rank + 1) * k]`` (one contiguous read, returned as a view of it) or
-``[:, rank * k:(rank + 1) * k]`` (the rows that cover it, or run by run where runs are more than a
-read block apart, as the slices of a stacked expert weight are).
+``[:, rank * k:(rank + 1) * k]`` (the rows that cover it where the gaps between its runs cost less
+to read than another request, strided ranges where they cost more: see ``ReadCost``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from streamer.api import Streamer, check_backend
 from streamer.checkpoint import TensorRef
 from streamer.config import StreamerConfig
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
+from streamer.format.dtypes import DTYPES
 from streamer.format.safetensors import TensorEntry
 from streamer.sources import SourceLike
 
@@ -163,25 +164,21 @@ class TensorSlice:
             layout,
             base=entry.begin,
             itemsize=itemsize,
-            block_size=self._handle.config.block_size,
+            request_bytes=self._handle.read_cost.request_bytes,
         )
-        pieces = [_as_bits(p) for p in self._read([self._piece(b, e) for b, e in plan.ranges])]
+        pieces = self._read([self._piece(b, e) for b, e in plan.ranges])
         if len(pieces) == 1:
             (flat,) = pieces
+            if flat.data_ptr() % itemsize:
+                flat = flat.clone()  # a file that does not align its tensors (safetensors' files do)
+            flat = flat.view(_BITS[itemsize])  # torch copies every integer dtype, not every float8
             first = (entry.begin - plan.ranges[0][0]) // itemsize + layout.offset
             view = flat.as_strided(layout.shape, layout.stride, flat.storage_offset() + first)
             if view.numel() == flat.numel():
                 return flat.view(layout.shape).view(dtype)  # the selection is the range read: no copy
             # A copy lets the covering bytes go (a shard must not pin the whole weight).
             return view.clone(memory_format=torch.contiguous_format).view(dtype)
-        parts = []
-        runs = iter(plan.runs)
-        for (begin, end), flat in zip(plan.ranges, pieces, strict=True):
-            for run_begin, run_end in runs:  # both in file order; each run lies in one range
-                parts.append(flat[(run_begin - begin) // itemsize : (run_end - begin) // itemsize])
-                if run_end == end:
-                    break
-        return torch.cat(parts).view(layout.shape).view(dtype)
+        return _gather(plan, pieces).view(dtype).view(layout.shape)
 
     def _read(self, refs: list[TensorRef]) -> list[torch.Tensor]:
         """One run; once the ``safe_open`` is closed, what the run reopened (an S3 client) is closed again."""
@@ -192,17 +189,36 @@ class TensorSlice:
                 self._handle.close()
 
     def _piece(self, begin: int, end: int) -> TensorRef:
-        """Bytes ``[begin, end)`` of this tensor as a 1-d tensor of its dtype, named for errors."""
+        """Bytes ``[begin, end)`` of this tensor as a 1-d uint8 tensor, named for errors."""
         entry = self._entry
         name = f"{entry.name}[bytes {begin - entry.begin}:{end - entry.begin}]"
-        shape = ((end - begin) // entry.dtype.itemsize,)
-        return TensorRef(self._ref.file, TensorEntry(name, entry.dtype, shape, begin, end))
+        return TensorRef(self._ref.file, TensorEntry(name, _BYTES, (end - begin,), begin, end))
 
 
+def _gather(plan: slicing.ReadPlan, pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The runs of ``plan``, in order, out of the ranges read (``pieces``, uint8), as one flat tensor.
+
+    A range holding evenly spaced runs (every range of a 2-d slice) is one strided view, so
+    thousands of runs cost a few tensor calls, not a Python loop over them.
+    """
+    if len(pieces) == len(plan.run_begins):
+        return torch.cat(pieces)  # each range is one run
+    begins = plan.run_begins
+    ranges = torch.tensor(plan.ranges, dtype=torch.int64)
+    first = torch.searchsorted(begins, ranges[:, 0].contiguous()).tolist()
+    length = plan.run_bytes
+    parts = []
+    for (begin, _), flat, lo, hi in zip(plan.ranges, pieces, first, [*first[1:], len(begins)], strict=True):
+        inside = begins[lo:hi] - begin
+        steps = inside[1:] - inside[:-1]
+        if len(steps) == 0 or bool((steps == steps[0]).all()):
+            step = int(steps[0]) if len(steps) else 0
+            offset = flat.storage_offset() + int(inside[0])
+            parts.append(flat.as_strided((hi - lo, length), (step, 1), offset).reshape(-1))
+        else:
+            parts.extend(flat[b : b + length] for b in inside.tolist())
+    return torch.cat(parts)
+
+
+_BYTES = DTYPES["U8"]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _as_bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The same bytes as an integer dtype of the same size: torch copies and concatenates every
-    integer dtype, not every float8/float4/bool one."""
-    return tensor.view(_BITS[tensor.element_size()])

@@ -36,6 +36,16 @@ class Segment:
     def size(self) -> int:
         return self.buffer_end - self.buffer_begin
 
+    def read_extents(self) -> list[tuple[int, int]]:
+        """The parts of the buffer its blocks fill (offsets into it), adjacent blocks joined."""
+        extents: list[tuple[int, int]] = []
+        for block in self.blocks:
+            if extents and extents[-1][1] == block.dst:
+                extents[-1] = (extents[-1][0], block.dst + block.read_length)
+            else:
+                extents.append((block.dst, block.dst + block.read_length))
+        return extents
+
 
 def align_down(value: int, alignment: int) -> int:
     return value - value % alignment
@@ -46,11 +56,20 @@ def align_up(value: int, alignment: int) -> int:
 
 
 def plan_segments(
-    units: Sequence[Unit], *, block_size: int, segment_bytes: int | None, alignment: int
+    units: Sequence[Unit],
+    *,
+    block_size: int,
+    segment_bytes: int | None,
+    alignment: int,
+    request_bytes: int | None = None,
 ) -> list[Segment]:
     """Groups units (sorted by file, then offset) into segments of at most ``segment_bytes``.
 
-    A unit larger than ``segment_bytes`` gets a segment of its own.
+    A unit larger than ``segment_bytes`` gets a segment of its own. Each block reads the aligned
+    extent of the units it touches, cut where units are at least ``request_bytes`` apart (what
+    one more request costs the storage; None: never cut). Units that follow each other (a whole
+    checkpoint) are read in whole blocks of the ``block_size`` grid; the ranges of a sliced read
+    only where they are.
     """
     segments: list[Segment] = []
     start = 0
@@ -62,39 +81,62 @@ def plan_segments(
             and (segment_bytes is None or units[stop].end - units[start].begin <= segment_bytes)
         ):
             stop += 1
-        segments.append(_plan_segment(units, start, stop, block_size, alignment))
+        segments.append(_plan_segment(units, start, stop, block_size, alignment, request_bytes))
         start = stop
     return segments
 
 
-def _plan_segment(units: Sequence[Unit], start: int, stop: int, block_size: int, alignment: int) -> Segment:
+def _plan_segment(
+    units: Sequence[Unit], start: int, stop: int, block_size: int, alignment: int, request_bytes: int | None
+) -> Segment:
     first, last = units[start], units[stop - 1]
     buffer_begin = align_down(first.begin, alignment)
     buffer_end = align_up(last.end, alignment)
     begins = [u.begin for u in units[start:stop]]
     ends = [u.end for u in units[start:stop]]
+    # Pieces at least two aligned blocks apart never read the same aligned block.
+    min_gap = None if request_bytes is None else max(request_bytes, 2 * alignment)
     blocks: list[Block] = []
-    for read_offset in range(buffer_begin, buffer_end, block_size):
-        read_end = min(read_offset + block_size, buffer_end)
-        acc_begin, acc_end = max(read_offset, first.begin), min(read_end, last.end)
-        # Units overlapping [acc_begin, acc_end): those ending after acc_begin and starting before acc_end.
-        lo = bisect.bisect_right(ends, acc_begin)
-        hi = bisect.bisect_left(begins, acc_end) - 1
-        if lo > hi:
-            continue  # padding between tensors: nothing to read
-        blocks.append(
-            Block(
-                file=first.file,
-                first_unit=start + lo,
-                last_unit=start + hi,
-                acc_begin=acc_begin,
-                acc_end=acc_end,
-                read_offset=read_offset,
-                read_length=read_end - read_offset,
-                dst=read_offset - buffer_begin,
+    for grid_offset in range(buffer_begin, buffer_end, block_size):
+        grid_end = min(grid_offset + block_size, buffer_end)
+        # Units overlapping the block: those ending after its start and starting before its end.
+        lo = bisect.bisect_right(ends, grid_offset)
+        hi = bisect.bisect_left(begins, grid_end) - 1
+        for piece_lo, piece_hi in _pieces(begins, ends, lo, hi, min_gap):
+            acc_begin = max(grid_offset, begins[piece_lo])
+            acc_end = min(grid_end, ends[piece_hi])
+            read_offset = max(grid_offset, align_down(acc_begin, alignment))
+            read_end = min(grid_end, align_up(acc_end, alignment))
+            blocks.append(
+                Block(
+                    file=first.file,
+                    first_unit=start + piece_lo,
+                    last_unit=start + piece_hi,
+                    acc_begin=acc_begin,
+                    acc_end=acc_end,
+                    read_offset=read_offset,
+                    read_length=read_end - read_offset,
+                    dst=read_offset - buffer_begin,
+                )
             )
-        )
     return Segment(first.file, start, stop - 1, buffer_begin, buffer_end, tuple(blocks))
+
+
+def _pieces(
+    begins: list[int], ends: list[int], lo: int, hi: int, min_gap: int | None
+) -> list[tuple[int, int]]:
+    """Units ``lo..hi`` (inclusive; none if ``lo > hi``) in runs cut at gaps of ``min_gap`` or more."""
+    if lo > hi:
+        return []  # padding between tensors: nothing to read
+    if min_gap is None:
+        return [(lo, hi)]
+    pieces = [(lo, lo)]
+    for unit in range(lo + 1, hi + 1):
+        if begins[unit] - ends[unit - 1] >= min_gap:
+            pieces.append((unit, unit))
+        else:
+            pieces[-1] = (pieces[-1][0], unit)
+    return pieces
 
 
 @dataclass(frozen=True)

@@ -3,21 +3,22 @@
 An index made of ints, slices, ``...`` and ``None`` selects a strided view of the tensor. torch
 itself computes that view on a ``meta`` tensor (no memory, no bytes), so the shapes, the
 negative-index and clamping rules and every error are exactly torch's, which are safetensors'.
-The view is then cut into *runs* (contiguous element ranges, in order); runs closer than a read
-block are read as one range, those further apart as ranges of their own.
+The view is then cut into *runs* (contiguous element ranges, in order, computed as tensors so
+that a column of 16384 rows costs no Python loop); runs closer than what one more read request
+costs the storage (``ReadCost.request_bytes``) are read as one range, those further apart as
+ranges of their own: the covering rows or strided ranges, whichever costs less.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from streamer.errors import PackedSliceError
 
-MAX_RUNS = 4096  # more runs than this are read as their covering range (Python would spend longer)
+MAX_RUNS = 1 << 20  # more runs than this are read as their covering range (8 bytes of index per run)
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,19 @@ class Layout:
 class ReadPlan:
     """Byte ranges of the file to read (sorted, disjoint), and the runs the selection is made of.
 
-    ``runs`` (absolute byte ranges, in the selection's row-major order) each lie inside one range;
-    with one range and one run, the selection is that range exactly.
+    The runs (``run_begins``: absolute byte offsets, int64, in the selection's row-major order,
+    each ``run_bytes`` long) each lie inside one range; with one range and one run, the selection
+    is that range exactly.
     """
 
     ranges: tuple[tuple[int, int], ...]
-    runs: tuple[tuple[int, int], ...]
+    run_begins: torch.Tensor = field(compare=False)
+    run_bytes: int
+
+    @property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The runs as ``(begin, end)`` pairs (a Python object per run: for inspection)."""
+        return tuple((begin, begin + self.run_bytes) for begin in self.run_begins.tolist())
 
 
 def is_basic(index: object) -> bool:
@@ -93,8 +101,17 @@ def pack(layout: Layout, per_item: int, *, name: str, path: str) -> Layout:
 
 def runs_of(layout: Layout) -> list[tuple[int, int]] | None:
     """The selection's contiguous element ranges in row-major order; None beyond ``MAX_RUNS``."""
+    found = run_starts(layout)
+    if found is None:
+        return None
+    starts, length = found
+    return [(start, start + length) for start in starts.tolist()]
+
+
+def run_starts(layout: Layout) -> tuple[torch.Tensor, int] | None:
+    """Where each run starts (int64, row-major order) and the elements in each; None beyond ``MAX_RUNS``."""
     if layout.numel == 0:
-        return []
+        return torch.empty(0, dtype=torch.int64), 0
     inner = 1
     outer = len(layout.shape)
     while outer > 0 and (layout.shape[outer - 1] == 1 or layout.stride[outer - 1] == inner):
@@ -102,11 +119,10 @@ def runs_of(layout: Layout) -> list[tuple[int, int]] | None:
         inner *= layout.shape[outer]
     if math.prod(layout.shape[:outer]) > MAX_RUNS:
         return None
-    starts = (
-        layout.offset + sum(i * s for i, s in zip(position, layout.stride, strict=False))
-        for position in itertools.product(*(range(n) for n in layout.shape[:outer]))
-    )
-    return [(start, start + inner) for start in starts]
+    starts = torch.full((1,), layout.offset, dtype=torch.int64)
+    for n, stride in zip(layout.shape[:outer], layout.stride[:outer], strict=True):
+        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+    return starts, inner
 
 
 def covering(layout: Layout) -> tuple[int, int]:
@@ -115,32 +131,42 @@ def covering(layout: Layout) -> tuple[int, int]:
     return layout.offset, last + 1
 
 
-def plan(layout: Layout, *, base: int, itemsize: int, block_size: int) -> ReadPlan:
+def plan(layout: Layout, *, base: int, itemsize: int, request_bytes: int) -> ReadPlan:
     """How to read a non-empty selection of the tensor whose bytes start at ``base``.
 
-    The reader moves whole blocks of ``block_size`` and skips the blocks no range touches, so runs
-    closer than a block are read as one range (the gap costs nothing more) and runs further apart
-    as ranges of their own (the blocks between them are not read): the fewest bytes the reader can
-    move, never more than the covering range. Beyond ``MAX_RUNS`` runs, the covering range.
+    ``request_bytes`` is what one more read request costs the storage (``ReadCost``): runs closer
+    than that are read as one range (reading the gap costs less than skipping it), runs further
+    apart as ranges of their own. So a column slice reads the covering rows where rows are short
+    and strided ranges where they are long; never more than the covering range. Beyond
+    ``MAX_RUNS`` runs, the covering range.
     """
+    found = run_starts(layout)
+    if found is None:
+        lo, hi = covering(layout)
+        whole = (base + lo * itemsize, base + hi * itemsize)
+        return ReadPlan((whole,), torch.tensor([whole[0]]), whole[1] - whole[0])
+    starts, length = found
+    begins = base + starts * itemsize
+    runs = torch.stack((begins, begins + length * itemsize), dim=1)
+    return ReadPlan(_pairs(merged(runs, max_gap=request_bytes - 1)), begins, length * itemsize)
 
-    def to_bytes(span: tuple[int, int]) -> tuple[int, int]:
-        return base + span[0] * itemsize, base + span[1] * itemsize
 
-    element_runs = runs_of(layout)
-    if element_runs is None:
-        whole = to_bytes(covering(layout))
-        return ReadPlan((whole,), (whole,))
-    runs = tuple(to_bytes(run) for run in element_runs)
-    return ReadPlan(tuple(merge(runs, max_gap=block_size - 1)), runs)
+def merged(runs: torch.Tensor, *, max_gap: int) -> torch.Tensor:
+    """Sorted ranges (an ``[n, 2]`` int64 tensor) with gaps of at most ``max_gap`` joined."""
+    if len(runs) < 2:
+        return runs
+    apart = torch.nonzero(runs[1:, 0] - runs[:-1, 1] > max_gap).reshape(-1)
+    first = torch.cat((torch.zeros(1, dtype=torch.int64), apart + 1))
+    last = torch.cat((apart, torch.tensor([len(runs) - 1])))
+    return torch.stack((runs[first, 0], runs[last, 1]), dim=1)
 
 
 def merge(ranges: tuple[tuple[int, int], ...], *, max_gap: int) -> list[tuple[int, int]]:
-    """Sorted ranges with gaps of at most ``max_gap`` joined (such a gap holds no whole block)."""
-    merged: list[tuple[int, int]] = []
-    for begin, end in ranges:
-        if merged and begin - merged[-1][1] <= max_gap:
-            merged[-1] = (merged[-1][0], end)
-        else:
-            merged.append((begin, end))
-    return merged
+    """Sorted ranges with gaps of at most ``max_gap`` joined."""
+    if not ranges:
+        return []
+    return list(_pairs(merged(torch.tensor(ranges, dtype=torch.int64), max_gap=max_gap)))
+
+
+def _pairs(ranges: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    return tuple((begin, end) for begin, end in ranges.tolist())

@@ -399,6 +399,62 @@ def test_slices_far_apart_are_read_run_by_run(tmp_path: Path) -> None:
             assert_same(got, theirs.get_slice("experts")[:, 128:256])
 
 
+@pytest.mark.parametrize("dtype", ["F64", "F32", "BF16", "F16", "I8", "U8", "BOOL", "F8_E4M3"])
+def test_strided_column_and_middle_slices_are_bit_exact(tmp_path: Path, dtype: str) -> None:
+    """Rows of 32 KiB and more: column and middle-dim slices read as strided ranges (local files:
+    a gap longer than ``LOCAL_READ_COST`` is skipped), every bit as safetensors gives it."""
+    g = torch.Generator().manual_seed(21)
+    itemsize = TORCH_DTYPE[dtype].itemsize
+    tensor = random_tensor((6, 3, 32 * KiB // itemsize), TORCH_DTYPE[dtype], g)
+    path = tmp_path / "strided.safetensors"
+    safetensors.torch.save_file({"head": random_tensor((3,), torch.int8, g), "t": tensor}, str(path))
+    width = tensor.shape[-1]
+    indices = [
+        (slice(None), slice(None), slice(0, width // 8)),
+        (Ellipsis, slice(width // 2, width // 2 + 1000)),
+        (slice(None), 1),
+        (slice(1, 5), slice(0, 2), slice(100, 2000, 3)),
+        (slice(None), slice(None, None, 2), -1),
+    ]
+    with streamer.safe_open(path, config=config()) as ours, safetensors.safe_open(str(path), "pt") as theirs:
+        for index in indices:
+            got = ours.get_slice("t")[index]
+            assert_same(got, theirs.get_slice("t")[index], str(index))
+            assert_same(got, tensor[index], str(index))
+            assert got.is_contiguous()
+            assert ours.handle.metrics["bytes_read"] < tensor.nbytes // 2, str(index)
+
+
+def test_unevenly_spaced_runs_in_one_range(tmp_path: Path) -> None:
+    """Experts far apart, rows of one expert close but unevenly spaced: each expert is one range
+    holding runs 4, 12 and 16 KiB from its first."""
+    g = torch.Generator().manual_seed(22)
+    stacked = random_tensor((3, 4, 3, 4 * KiB), torch.uint8, g)
+    path = tmp_path / "uneven.safetensors"
+    safetensors.torch.save_file({"experts": stacked}, str(path))
+    index = (slice(None), slice(0, 2), slice(0, 2), slice(0, KiB))
+    with streamer.safe_open(path, config=config()) as handle:
+        assert_same(handle.get_slice("experts")[index], stacked[index])
+        assert handle.handle.metrics["bytes_read"] <= 3 * 20 * KiB
+
+
+def test_an_eighth_of_the_columns_reads_an_eighth_of_the_bytes(tmp_path: Path) -> None:
+    """A 32 MiB weight of 128 KiB rows: the 1/8 column shard of a rank is 256 strided reads of
+    16 KiB, each rounded out to the 4 KiB alignment (one more 4 KiB at most), not the whole."""
+    g = torch.Generator().manual_seed(23)
+    weight = random_tensor((256, 64 * KiB), torch.bfloat16, g)
+    path = tmp_path / "wide.safetensors"
+    safetensors.torch.save_file({"a": random_tensor((5,), torch.int8, g), "weight": weight}, str(path))
+    k = weight.shape[1] // 8
+    with streamer.safe_open(path, config=config(block_size=8 * MiB)) as handle:
+        for rank in (0, 3, 7):
+            got = handle.get_slice("weight")[:, rank * k : (rank + 1) * k]
+            assert_same(got, weight[:, rank * k : (rank + 1) * k])
+            metrics = handle.handle.metrics
+            assert weight.nbytes // 8 <= metrics["bytes_read"] <= weight.nbytes // 8 + 256 * 4 * KiB
+            assert metrics["blocks"] <= 2 * 256
+
+
 def test_a_contiguous_slice_is_a_view_of_the_bytes_read(large: tuple[Path, torch.Tensor]) -> None:
     path, weight = large
     with streamer.safe_open(path, config=config()) as handle:
@@ -454,3 +510,28 @@ def test_get_slice_on_a_sharded_checkpoint(tmp_path: Path) -> None:
         for name, tensor in tensors.items():
             assert_same(handle.get_slice(name)[4:8, ::3], tensor[4:8, ::3], name)
     assert os.path.isdir(tmp_path)
+
+
+def test_s3_column_slices_follow_the_request_cost(s3_server: str, tmp_path: Path) -> None:
+    """On S3 a request costs ~4 MiB of transfer: columns of short rows read the covering rows in
+    a few GETs; columns of 6 MiB rows skip the 5 MiB between their runs (~1/8 of the bytes)."""
+    pytest.importorskip("boto3")
+    g = torch.Generator().manual_seed(24)
+    short = random_tensor((1024, 1024), torch.int32, g)  # 4 KiB rows
+    wide = random_tensor((4, 6 * MiB), torch.uint8, g)  # 6 MiB rows
+    path = tmp_path / "columns.safetensors"
+    safetensors.torch.save_file({"short": short, "wide": wide}, str(path))
+    client = s3_client(s3_server, CREDENTIALS[0], CREDENTIALS[1])
+    client.create_bucket(Bucket="columns")
+    client.upload_file(str(path), "columns", "columns.safetensors")
+    cfg = StreamerConfig(concurrency=2, s3=loopback_s3_config(s3_server, CREDENTIALS))  # 8 MiB blocks
+    with streamer.safe_open("s3://columns/columns.safetensors", config=cfg) as handle:
+        assert_same(handle.get_slice("short")[:, 128:256], short[:, 128:256])
+        metrics = handle.handle.metrics
+        assert metrics["requests"] <= 2
+        assert metrics["bytes_read"] <= short.nbytes
+        k = wide.shape[1] // 8
+        assert_same(handle.get_slice("wide")[:, 3 * k : 4 * k], wide[:, 3 * k : 4 * k])
+        metrics = handle.handle.metrics
+        assert wide.nbytes // 8 <= metrics["bytes_read"] <= wide.nbytes // 8 + 4 * 8 * KiB
+        assert metrics["requests"] <= 8  # one per run, two where a run crosses a block line

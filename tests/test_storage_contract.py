@@ -27,6 +27,7 @@ from faulty_storage import SCHEME, Faults, FaultyStorage
 
 import streamer
 from streamer import backends
+from streamer.backends.base import REMOTE_READ_COST
 from streamer.errors import ReadError, SourceError
 
 KiB = 1024
@@ -87,6 +88,23 @@ def test_loads_bit_exact_through_a_second_storage(
     # Its own counters reach the run's metrics; none of the local storage's.
     assert metrics["requests"] >= metrics["blocks"] > 0
     assert metrics["direct_files"] == metrics["buffered_files"] == metrics["s3_files"] == 0
+    no_leaks()
+
+
+def test_get_slice_through_a_second_storage_uses_its_read_cost(
+    ckpt: Written, faults: Faults, no_leaks: Callable[[], None]
+) -> None:
+    """A storage that states no cost is charged as a remote one: a column of these 4 KiB rows is
+    read as its covering rows; with short reads on top, every bit still arrives."""
+    faults.short_reads = True
+    expected = reference_load(ckpt.shards)
+    with streamer.safe_open(uri(ckpt.directory), config=config()) as handle:
+        assert handle.handle.read_cost == REMOTE_READ_COST
+        for name in ("layer.1.weight", "layer.4.weight"):
+            assert_same(handle.get_slice(name)[:, 100:300], expected[name][:, 100:300], name)
+            assert_same(handle.get_slice(name)[::3, -1], expected[name][::3, -1], name)
+        metrics = handle.handle.metrics
+        assert 0 < metrics["bytes_read"] <= expected["layer.4.weight"].nbytes
     no_leaks()
 
 

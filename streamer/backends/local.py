@@ -9,7 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamer.backends.base import Feed, Front, Named, Opened, Range, Span, Storage, StoredFile
+from streamer.backends.base import (
+    LOCAL_READ_COST,
+    Feed,
+    Front,
+    Named,
+    Opened,
+    Range,
+    Span,
+    Storage,
+    StoredFile,
+)
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.engine import native
 from streamer.errors import SourceError, StreamerError
@@ -30,6 +40,7 @@ class LocalStorage(Storage):
     """The local file system; holds nothing open between runs."""
 
     reads_in_engine = True
+    read_cost = LOCAL_READ_COST
 
     def __init__(self, config: StreamerConfig) -> None:
         self._config = config

@@ -32,7 +32,13 @@ class CpuSink:
     """Reads a selection into CPU buffers; unit ``i`` is the ``i``-th tensor that has bytes."""
 
     def __init__(
-        self, config: StreamerConfig, selection: Selection, metrics: LoadMetrics, *, one_receiver: bool
+        self,
+        config: StreamerConfig,
+        selection: Selection,
+        metrics: LoadMetrics,
+        *,
+        one_receiver: bool,
+        request_bytes: int,
     ) -> None:
         self._refs = selection.refs
         self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
@@ -47,6 +53,7 @@ class CpuSink:
             block_size=config.block_size,
             segment_bytes=segment_bytes,
             alignment=DIRECT_IO_ALIGNMENT,
+            request_bytes=request_bytes,
         )
         self._segment_of_unit = [0] * len(self._units)
         for index, segment in enumerate(self._segments):
@@ -170,7 +177,12 @@ class CpuSink:
             raise
         self.metrics.add_alloc(time.perf_counter() - allocated)
         if self._prefaulter is not None:
-            self._prefaulter.submit(buffer[1], capacity)
+            extents = segment.read_extents()
+            if len(extents) == 1:
+                self._prefaulter.submit(buffer[1], capacity)
+            else:  # a sliced read: not the gaps it skips
+                for begin, end in extents:
+                    self._prefaulter.submit(buffer[1] + begin, end - begin)
         return buffer
 
     def _warn_if_over_limit(self, segment: Segment, charge: int) -> None:
