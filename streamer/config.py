@@ -224,6 +224,9 @@ class StreamerConfig:
     hugepages: back CPU destinations with transparent huge pages. Off by default: on the
         VMs we measure on, fresh huge pages fault in at 1.3-6.9 GB/s from run to run while
         4 KiB pages hold a steady ~2.4 GB/s (streamer-bench's first_touch ceilings); bare metal may prefer on.
+    group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
+        pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
+        wait for a rank that died or stopped calling.
     """
 
     concurrency: int = field(default_factory=lambda: _env_int("STREAMER_CONCURRENCY", 8))
@@ -236,6 +239,7 @@ class StreamerConfig:
     io_mode: IoMode = field(default_factory=_env_io_mode)
     hugepages: bool = field(default_factory=lambda: _env_int("STREAMER_HUGEPAGES", 0) != 0)
     s3: S3Config = field(default_factory=S3Config)
+    group_timeout: float = field(default_factory=lambda: _env_float("STREAMER_GROUP_TIMEOUT", 30.0))
 
     @property
     def explicit_memory_limit(self) -> int | None:
@@ -252,5 +256,7 @@ class StreamerConfig:
             raise ConfigError(
                 f"memory_limit must be a positive number of bytes, None (auto) or 'unlimited', got {limit!r}"
             )
+        if not self.group_timeout > 0:
+            raise ConfigError(f"group_timeout must be positive, got {self.group_timeout}")
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")
