@@ -76,14 +76,8 @@ def test_plan_delivers_every_wanted_byte_once_and_balances_contiguous_shares(wor
     shares = [plan.share_bytes(r) for r in range(world)]
     assert sum(shares) == 2003
     assert max(shares) - min(shares) <= 2 * 128
-    for rank in range(world):  # contiguous: a rank's pieces are consecutive in storage order
-        ordered = sorted((p.file, p.begin) for p in plan.pieces)
-        mine = [
-            i
-            for i, key in enumerate(ordered)
-            if plan.pieces[[(q.file, q.begin) for q in plan.pieces].index(key)].reader == rank
-        ]
-        assert mine == list(range(mine[0], mine[0] + len(mine))) if mine else True
+    in_storage_order = [p.reader for p in sorted(plan.pieces, key=lambda p: (p.file, p.begin))]
+    assert in_storage_order == sorted(in_storage_order)  # contiguous shares, rank 0 first
     # Round-robin exchange: the first pieces come from every rank in turn.
     assert [p.reader for p in plan.pieces[:world]] == list(range(world))
 
@@ -326,11 +320,8 @@ def test_s3_group_reads_each_byte_once_with_the_requests_of_one_rank(
     group_bytes = [r["metrics"]["bytes_read"] for r in reports]
     assert sum(group_bytes) == alone["bytes_read"] == written.nbytes
     group_requests = sum(r["metrics"]["requests"] for r in reports)
-    # Same ranged GETs as one rank alone, give or take the few a piece boundary inside a block adds.
-    assert (
-        alone["requests"] <= group_requests <= alone["requests"] + len(reports[0]["metrics"])
-        and group_requests <= alone["requests"] * 1.1 + 4
-    )
+    # The ranged GETs of one rank alone, shared out (headers are read by every rank, outside runs).
+    assert group_requests == alone["requests"], (group_requests, alone["requests"])
 
 
 def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeout(
