@@ -23,7 +23,8 @@ from streamer.destinations.cpu import empty_tensor
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.errors import ConfigError, SourceError, StreamerError
-from streamer.group.exchange import GroupExchange, group_exchange
+from streamer.format.safetensors import TensorEntry
+from streamer.group.exchange import GroupExchange
 from streamer.progress import ByteProgress
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
@@ -139,9 +140,10 @@ class Streamer:
     @property
     def metrics(self) -> dict[str, Any]:
         """Measurements of the last completed (or closed) read; empty before any."""
-        if self._run is None:
+        run = self._exchange.run if self._exchange is not None else self._run
+        if run is None:
             return {}
-        measured = self._run.metrics.as_dict()
+        measured = run.metrics.as_dict()
         if self._exchange is not None:
             measured["group"] = self._exchange.stats()
         return measured
@@ -162,6 +164,41 @@ class Streamer:
         self._run, self._exchange = run, None
         got = dict(run.results())
         return [got[ref.entry.name] for ref in refs]
+
+    def group_read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
+        """``read`` with the handle's group: every rank calls it, each with the refs it wants
+        (ranks may want different tensors or slices, e.g. ``rows``); bytes several ranks want are
+        read once, bytes no rank wants are not read."""
+        if self._group is None:
+            raise ConfigError("group_read needs a handle opened with group=")
+        self._stop()
+        exchange = GroupExchange(
+            self._checkpoint,
+            self._storage,
+            refs,
+            self._group,
+            self.config,
+            functools.partial(_new_tensor, refs, self.device),
+            ordered=False,
+        )
+        self._run, self._exchange = None, exchange
+        got = dict(exchange.results())
+        return [got[ref.entry.name] for ref in refs]
+
+    def rows(self, name: str, start: int, stop: int) -> TensorRef:
+        """Rows ``start:stop`` (along the first dimension) of a tensor, as a ref of their own for
+        ``read`` or ``group_read``: a tensor-parallel rank's shard of a row-split weight."""
+        ref = self._checkpoint.ref(name)
+        entry = ref.entry
+        if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
+            raise ConfigError(f"rows {start}:{stop} are not rows of shape {list(entry.shape)}", tensor=name)
+        row = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+        shape = (stop - start, *entry.shape[1:])
+        begin = entry.begin + start * row
+        sliced = TensorEntry(
+            f"{name}[{start}:{stop}]", entry.dtype, shape, begin, begin + (stop - start) * row
+        )
+        return TensorRef(ref.file, sliced)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (all workers share it when it is large); an iteration may be under way."""
@@ -205,7 +242,7 @@ class Streamer:
         refs = list(self._checkpoint.refs())
         ordered = self._order == "checkpoint"
         if self._group is not None:
-            exchange = group_exchange(
+            exchange = GroupExchange(
                 self._checkpoint,
                 self._storage,
                 refs,
@@ -215,7 +252,7 @@ class Streamer:
                 ordered=ordered,
             )
             iteration = _Iteration(exchange.results())
-            self._run, self._exchange = exchange.run, exchange
+            self._run, self._exchange = None, exchange
         else:
             run = self._new_run(refs, ordered=ordered, keep_all=keep_all)
             iteration = _Iteration(run.results())
@@ -409,7 +446,7 @@ def _exchange_into(
             path = checkpoint.headers[checkpoint.tensors[name].file].path
             raise ConfigError("a group load fills contiguous tensors only", path=path, tensor=name)
     refs = [checkpoint.tensors[name] for name in names]
-    exchange = group_exchange(
+    exchange = GroupExchange(
         checkpoint, storage, refs, group, config, lambda p: dest[names[p]], ordered=False
     )
     for _ in exchange.results():

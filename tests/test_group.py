@@ -32,10 +32,7 @@ from conftest import (
 
 import streamer
 from streamer import StreamerConfig, StreamerError
-from streamer.checkpoint import TensorRef
-from streamer.format import DTYPES
-from streamer.format.safetensors import TensorEntry
-from streamer.group.plan import make_plan
+from streamer.group.plan import GroupPlan, Span, make_plan
 
 BUCKET = "group"
 ACCESS_KEY = "AKIDGROUPTEST"
@@ -45,53 +42,57 @@ RANK_START_S = 120  # spawning ranks that import torch is slow on a busy machine
 # --- the plan, as a pure function -------------------------------------------------------------------
 
 
-def _ref(file: int, name: str, begin: int, end: int) -> TensorRef:
-    return TensorRef(file, TensorEntry(name, DTYPES["U8"], (end - begin,), begin, end))
-
-
-def _covered(plan: Any, refs: list[TensorRef]) -> dict[int, bytearray]:
-    """Which bytes of each wanted tensor the plan delivers (count per byte)."""
-    seen = {p: bytearray(r.entry.nbytes) for p, r in enumerate(refs)}
+def _covered(plan: GroupPlan, wants: list[list[Span]]) -> dict[tuple[int, int], bytearray]:
+    """How often the plan delivers each byte of each rank's wanted span."""
+    seen = {
+        (r, p): bytearray(end - begin)
+        for r, spans in enumerate(wants)
+        for p, (_, begin, end) in enumerate(spans)
+    }
     for piece in plan.pieces:
         for part in piece.parts:
-            ref = refs[part.position]
-            assert piece.file == ref.file
-            assert piece.begin + part.piece_offset == ref.entry.begin + part.tensor_offset
+            file, begin, _ = wants[part.rank][part.position]
+            assert piece.file == file
+            assert piece.begin + part.piece_offset == begin + part.tensor_offset
             assert part.piece_offset + part.nbytes <= piece.nbytes
             for i in range(part.tensor_offset, part.tensor_offset + part.nbytes):
-                seen[part.position][i] += 1
+                seen[part.rank, part.position][i] += 1
     return seen
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_plan_delivers_every_wanted_byte_once_and_balances_contiguous_shares(world: int) -> None:
-    refs = [_ref(0, f"a{i}", 100 * i, 100 * i + 100) for i in range(10)]  # touching: one range
-    refs += [_ref(1, "b0", 0, 1000), _ref(1, "b1", 5000, 5003), _ref(1, "empty", 7, 7)]
-    plan = make_plan(refs, world, piece_bytes=128)
-    for position, counts in _covered(plan, refs).items():
-        assert all(c == 1 for c in counts), refs[position].entry.name
+    spans = [(0, 100 * i, 100 * i + 100) for i in range(10)]  # touching: one range
+    spans += [(1, 0, 1000), (1, 5000, 5003), (1, 7, 7)]
+    wants = [list(spans) for _ in range(world)]
+    plan = make_plan(wants, piece_bytes=128)
+    for key, counts in _covered(plan, wants).items():
+        assert all(c == 1 for c in counts), key
     assert all(p.nbytes <= 128 for p in plan.pieces)
-    # Only wanted bytes are read: the gap between b0 and b1 is not.
+    assert all(p.wanted_by == tuple(range(world)) for p in plan.pieces)
+    # Only wanted bytes are read: the gap between the two spans of file 1 is not.
     assert sum(p.nbytes for p in plan.pieces) == 1000 + 1000 + 3
     shares = [plan.share_bytes(r) for r in range(world)]
     assert sum(shares) == 2003
-    assert max(shares) - min(shares) <= 2 * 128
+    assert max(shares) - min(shares) <= 128
     in_storage_order = [p.reader for p in sorted(plan.pieces, key=lambda p: (p.file, p.begin))]
     assert in_storage_order == sorted(in_storage_order)  # contiguous shares, rank 0 first
     # Round-robin exchange: the first pieces come from every rank in turn.
     assert [p.reader for p in plan.pieces[:world]] == list(range(world))
 
 
-def test_plan_reads_overlapping_slices_once_and_is_deterministic() -> None:
-    refs = [_ref(0, "rows 0:60", 0, 600), _ref(0, "rows 40:100", 400, 1000), _ref(0, "rows 40:60", 400, 600)]
-    plan = make_plan(refs, 2, piece_bytes=256)
-    assert sum(p.nbytes for p in plan.pieces) == 1000  # the overlap is read once
-    for counts in _covered(plan, refs).values():
+def test_plan_reads_overlapping_slices_once_and_sends_them_only_where_wanted() -> None:
+    wants: list[list[Span]] = [[(0, 0, 600)], [(0, 400, 1000), (0, 400, 600)], [(0, 2000, 2100)]]
+    plan = make_plan(wants, piece_bytes=256)
+    assert sum(p.nbytes for p in plan.pieces) == 1000 + 100  # the overlap is read once
+    for counts in _covered(plan, wants).values():
         assert all(c == 1 for c in counts)
-    assert make_plan(refs, 2, piece_bytes=256) == plan
-    assert make_plan(refs, 2, piece_bytes=256).digest() == plan.digest()
-    assert make_plan(refs, 3, piece_bytes=256).digest() != plan.digest()
-    assert make_plan(refs[:2], 2, piece_bytes=256).digest() != plan.digest()
+    for piece in plan.pieces:
+        if piece.file == 0 and piece.begin >= 2000:
+            assert piece.wanted_by == (2,)
+        elif piece.end <= 400:
+            assert piece.wanted_by == (0,)
+    assert make_plan(wants, piece_bytes=256) == plan
 
 
 # --- ranks -------------------------------------------------------------------------------------------
