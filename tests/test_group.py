@@ -251,7 +251,35 @@ def _failures(rank: int, world: int, directory: str, settings: StreamerConfig) -
     return report
 
 
-SCENARIOS = {"loads": _loads, "s3": _s3, "failures": _failures}
+def _subsets(
+    rank: int, world: int, source: str, shards: list[str], settings: StreamerConfig
+) -> dict[str, Any]:
+    """Each rank asks for its own rows of ``matrix`` (overlapping its neighbour's), a tensor every
+    rank wants, and rank 0 one more; then ``load_into`` with a different subset on each rank."""
+    expected = _reference(shards)
+    rows = expected["matrix"].shape[0] // world
+    first, last = rank * rows, min(expected["matrix"].shape[0], rank * rows + rows + rows // 2)
+    with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
+        refs = [handle.rows("matrix", first, last), handle.checkpoint.ref("large.00")]
+        if rank == 0:
+            refs.append(handle.checkpoint.ref("large.01"))
+        got = handle.group_read(refs)
+        wanted = {"matrix": expected["matrix"][first:last], "large.00": expected["large.00"]}
+        if rank == 0:
+            wanted["large.01"] = expected["large.01"]
+        report: dict[str, Any] = {
+            "slices": _differences(dict(zip(wanted, got, strict=True)), wanted),
+            "metrics": handle.metrics,
+            "wanted_bytes": sum(t.nbytes for t in wanted.values()),
+        }
+    mine = {f"small.{rank:02d}", f"large.{rank + 2:02d}"}
+    dest = {name: torch.zeros_like(expected[name]) for name in mine}
+    streamer.load_into(dest, source, config=settings, group=dist.group.WORLD, strict=False)
+    report["load_into"] = _differences(dest, {name: expected[name] for name in mine})
+    return report
+
+
+SCENARIOS = {"loads": _loads, "s3": _s3, "failures": _failures, "subsets": _subsets}
 
 
 # --- cases -------------------------------------------------------------------------------------------
@@ -265,6 +293,7 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Written:
     for i, dtype in enumerate(TORCH_DTYPE.values()):
         tensors[f"small.{i:02d}"] = random_tensor((3, 1 + i), dtype, g)
         tensors[f"large.{i:02d}"] = random_tensor((64 * KiB + 7 * i,), dtype, g)
+    tensors["matrix"] = random_tensor((90, 1000), torch.float32, g)
     tensors["scalar"] = random_tensor((), torch.float32, g)
     tensors["empty"] = torch.empty(0, 5)
     return write_checkpoint(tmp_path_factory.mktemp("group") / "checkpoint", tensors, shards=2)
@@ -293,6 +322,25 @@ def test_every_rank_gets_every_tensor_bit_exact_reading_about_its_share(
     assert total <= sum(reads) <= total + reports[0]["metrics"]["group"]["pieces"] * 2 * 4 * KiB
     for read in reads:
         assert abs(read - total / world) <= 0.15 * total / world, reads
+
+
+def test_each_rank_gets_exactly_the_slices_it_asked_for_and_unwanted_bytes_are_not_read(
+    tmp_path: Path, written: Written
+) -> None:
+    shards = [str(s) for s in written.shards]
+    reports = _spawn(tmp_path, 3, "subsets", str(written.source), shards, config(io_mode="buffered"))
+    tensors = written.tensors
+    union = tensors["matrix"].nbytes + tensors["large.00"].nbytes + tensors["large.01"].nbytes
+    reads = [r["metrics"]["bytes_read"] for r in reports]
+    pieces = reports[0]["metrics"]["group"]["pieces"]
+    assert union <= sum(reads) <= union + pieces * 2 * 4 * KiB, (reads, union)  # read once, nothing else
+    for rank, report in enumerate(reports):
+        assert report["slices"] == [], f"rank {rank}: {report['slices']}"
+        assert report["load_into"] == [], f"rank {rank}: {report['load_into']}"
+        group = report["metrics"]["group"]
+        # Only pieces it wants come to a rank (a piece may hold a little more than its share).
+        assert group["received_bytes"] <= report["wanted_bytes"] + 4 * 128 * KiB
+    assert reports[2]["metrics"]["group"]["received_bytes"] < union - tensors["large.01"].nbytes
 
 
 @pytest.fixture(scope="module")

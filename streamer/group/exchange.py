@@ -31,7 +31,7 @@ from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.errors import ConfigError, StreamerError
 from streamer.format import DTYPES
 from streamer.format.safetensors import TensorEntry
-from streamer.group.plan import GroupPlan, Piece, Span, make_plan
+from streamer.group.plan import GroupPlan, Piece, Span, make_plan, union_bytes
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
 from streamer.selection import run_then_close
@@ -102,8 +102,8 @@ class GroupExchange:
 
     def _exchange(self) -> Iterator[tuple[str, torch.Tensor]]:
         wants = self._gather_wants()
-        total = sum(end - begin for spans in wants for _, begin, end in spans)
-        self._plan = plan = make_plan(wants, _piece_bytes(self._config, total, self._world))
+        piece_bytes = _piece_bytes(self._config, union_bytes(wants), self._world)
+        self._plan = plan = make_plan(wants, piece_bytes)
         cpu = functools.partial(CpuSink, self._config, one_receiver=self._storage.one_receiver)
         mine = [_piece_ref(index, plan.pieces[index]) for index in plan.share(self._rank)]
         self.run = Run(self._checkpoint, mine, self._config, cpu, ordered=True, storage=self._storage)

@@ -98,6 +98,11 @@ def make_plan(wants: Sequence[Sequence[Span]], piece_bytes: int) -> GroupPlan:
     return GroupPlan(tuple(exchange), world_size)
 
 
+def union_bytes(wants: Sequence[Sequence[Span]]) -> int:
+    """Bytes at least one rank wants: what the group reads."""
+    return sum(end - begin for _, begin, end in _merged([span for spans in wants for span in spans]))
+
+
 def _merged(spans: Sequence[Span]) -> list[Span]:
     """The wanted bytes as disjoint ``(file, begin, end)`` ranges in file and offset order;
     touching ranges are joined (they can be read as one)."""
