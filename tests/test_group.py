@@ -7,6 +7,7 @@ saw, and the test asserts on every rank's report. The plan is tested as a pure f
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import shutil
 import time
@@ -23,6 +24,7 @@ from conftest import (
     TORCH_DTYPE,
     KiB,
     Written,
+    bench,
     config,
     loopback_s3_config,
     random_tensor,
@@ -224,6 +226,11 @@ def _failures(rank: int, world: int, directory: str, settings: StreamerConfig) -
     source = str(mine / "model.safetensors.index.json")
     threads = threading.active_count()
     report: dict[str, Any] = {}
+    other = source if rank == 0 else str(sorted(mine.glob("*.safetensors"))[0])  # another layout
+    try:
+        streamer.load(other, config=settings, group=dist.group.WORLD)
+    except StreamerError as error:
+        report["different_checkpoints"] = type(error).__name__
     with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
         if rank == 1:  # after the headers were read: its share (the second half) is gone
             last = sorted(mine.glob("*.safetensors"))[-1]
@@ -380,6 +387,7 @@ def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeo
     timeout = 4.0
     settings = config(group_timeout=timeout)
     survivor, _ = _spawn(tmp_path, 2, "failures", str(tmp_path), settings, expect_dead=(1,))
+    assert survivor["different_checkpoints"] == "ConfigError"
     kind, message, seconds = survivor["read_failure"]
     assert kind == "StreamerError" and "rank(s) [1]" in message
     assert seconds < timeout  # told at once, not after the timeout
@@ -388,3 +396,17 @@ def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeo
     kind, message, seconds = survivor["peer_died"]
     assert kind == "StreamerError" and "group exchange failed" in message
     assert seconds < timeout + 5
+
+
+def test_bench_ranks_compares_a_group_with_independent_loads(tmp_path: Path) -> None:
+    out = tmp_path / "ranks.json"
+    proc = bench("--synthetic", "8MiB", "--ranks", "2", "--repeat", "1", "--warm", "--json", str(out), "-q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["ranks"] == 2
+    (section,) = doc["sections"]
+    group, alone = section["medians"]["group"], section["medians"]["independent"]
+    assert group["bytes_read_group"] < 1.1 * doc["tensor_bytes"] < alone["bytes_read_group"]
+    assert all(r["wall_s"] > 0 for r in section["runs"])
+    assert group["exchange_s"] > 0 == alone["exchange_s"]
+    assert "group/independent wall" in proc.stdout
