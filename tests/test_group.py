@@ -410,3 +410,16 @@ def test_bench_ranks_compares_a_group_with_independent_loads(tmp_path: Path) -> 
     assert all(r["wall_s"] > 0 for r in section["runs"])
     assert group["exchange_s"] > 0 == alone["exchange_s"]
     assert "group/independent wall" in proc.stdout
+
+
+def test_vllm_plugin_loads_through_the_tp_group_unless_told_not_to() -> None:
+    options = pytest.importorskip(
+        "streamer_vllm.options", reason="the plugin (integrations/vllm) is not installed"
+    )
+    from streamer_vllm.distributed import loading_group
+
+    assert options.parse_options({}).distributed is True
+    assert options.parse_options({"distributed": False}).distributed is False
+    with pytest.raises(streamer.ConfigError, match="distributed must be true or false"):
+        options.parse_options({"distributed": "no"})
+    assert loading_group(False, "cpu") is None  # off: vLLM is not even asked

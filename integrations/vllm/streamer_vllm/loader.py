@@ -30,6 +30,7 @@ import streamer
 from streamer.progress import ByteProgress
 from streamer.sources import SourceLike
 from streamer_vllm.checks import check_all_loaded, target_device
+from streamer_vllm.distributed import loading_group
 from streamer_vllm.hub import fetch_from_hub
 from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
@@ -81,7 +82,8 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         self, source: SourceLike, device: str, metrics: dict[str, Any]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as it completes, uncopied; ``metrics`` gets streamer's once all were read."""
-        with streamer.open(source, device=device, config=self.options.config) as handle:
+        group = loading_group(self.options.distributed, device)
+        with streamer.open(source, device=device, config=self.options.config, group=group) as handle:
             show = enable_tqdm(self.load_config.use_tqdm_on_load)
             with ByteProgress(handle.nbytes, desc="Loading safetensors using streamer", enabled=show) as bar:
                 for name, tensor in handle:
