@@ -7,20 +7,24 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from streamer.backends import open_storage
 from streamer.backends.base import ReadCost, Storage
 from streamer.checkpoint import Checkpoint, TensorRef, read_checkpoint
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine, parse_device
+from streamer.destinations.cpu import empty_tensor
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.errors import ConfigError, SourceError, StreamerError
+from streamer.format.safetensors import TensorEntry
+from streamer.group.exchange import GroupExchange
 from streamer.progress import ByteProgress
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
@@ -37,8 +41,8 @@ class _Iteration:
     thread waits for the turn in progress, so a generator is never entered twice at once.
     """
 
-    def __init__(self, run: Run) -> None:
-        self._results = run.results()
+    def __init__(self, results: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+        self._results = results
         self._stopped = False
         self._turn = threading.Lock()
         self.owner = threading.current_thread()
@@ -76,6 +80,10 @@ class Streamer:
     the smaller of 1 GiB and the bytes to read), allocated once and reused by every read of
     this handle until ``close()``; tensors are views into one device allocation per group of
     neighbouring tensors, handed out once the current stream is ordered after their copies.
+
+    With ``group`` (a ``torch.distributed`` process group), iterating reads only this rank's
+    share of the checkpoint and receives the rest from the other ranks (``streamer.group``: every
+    rank must iterate too); ``get_tensor`` and ``read`` still read alone.
     """
 
     def __init__(
@@ -85,6 +93,7 @@ class Streamer:
         device: str | int | torch.device = "cpu",
         config: StreamerConfig | None = None,
         order: Order = "completion",
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         if order not in ("completion", "checkpoint"):
             raise ConfigError(f"order must be 'completion' or 'checkpoint', got {order!r}")
@@ -100,7 +109,9 @@ class Streamer:
         except BaseException:
             self._storage.close()
             raise
+        self._group = group
         self._run: Run | None = None  # the last read, for metrics
+        self._exchange: GroupExchange | None = None  # the last read's, if it was a group read
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
 
@@ -129,7 +140,13 @@ class Streamer:
     @property
     def metrics(self) -> dict[str, Any]:
         """Measurements of the last completed (or closed) read; empty before any."""
-        return self._run.metrics.as_dict() if self._run is not None else {}
+        run = self._exchange.run if self._exchange is not None else self._run
+        if run is None:
+            return {}
+        measured = run.metrics.as_dict()
+        if self._exchange is not None:
+            measured["group"] = self._exchange.stats()
+        return measured
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -149,14 +166,49 @@ class Streamer:
         readers (local or S3) and ``metrics`` count them.
         """
         run = self._new_run(refs, ordered=False, keep_all=True)
-        self._run = run
+        self._run, self._exchange = run, None
         got = dict(run.results())
         return [got[ref.entry.name] for ref in refs]
+
+    def group_read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
+        """``read`` with the handle's group: every rank calls it, each with the refs it wants
+        (ranks may want different tensors or slices, e.g. ``rows``); bytes several ranks want are
+        read once, bytes no rank wants are not read."""
+        if self._group is None:
+            raise ConfigError("group_read needs a handle opened with group=")
+        self._stop()
+        exchange = GroupExchange(
+            self._checkpoint,
+            self._storage,
+            refs,
+            self._group,
+            self.config,
+            functools.partial(_new_tensor, refs, self.device),
+            ordered=False,
+        )
+        self._run, self._exchange = None, exchange
+        got = dict(exchange.results())
+        return [got[ref.entry.name] for ref in refs]
+
+    def rows(self, name: str, start: int, stop: int) -> TensorRef:
+        """Rows ``start:stop`` (along the first dimension) of a tensor, as a ref of their own for
+        ``read`` or ``group_read``: a tensor-parallel rank's shard of a row-split weight."""
+        ref = self._checkpoint.ref(name)
+        entry = ref.entry
+        if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
+            raise ConfigError(f"rows {start}:{stop} are not rows of shape {list(entry.shape)}", tensor=name)
+        row = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+        shape = (stop - start, *entry.shape[1:])
+        begin = entry.begin + start * row
+        sliced = TensorEntry(
+            f"{name}[{start}:{stop}]", entry.dtype, shape, begin, begin + (stop - start) * row
+        )
+        return TensorRef(ref.file, sliced)
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (all workers share it when it is large); an iteration may be under way."""
         run = self._new_run([self._checkpoint.ref(name)], ordered=True)
-        self._run = run
+        self._run, self._exchange = run, None
         results = run.results()
         try:
             return next(results)[1]
@@ -192,11 +244,24 @@ class Streamer:
                 path=self._checkpoint.paths[0],
             )
         self._stop()
-        run = self._new_run(
-            list(self._checkpoint.refs()), ordered=self._order == "checkpoint", keep_all=keep_all
-        )
-        iteration = _Iteration(run)
-        self._run = run
+        refs = list(self._checkpoint.refs())
+        ordered = self._order == "checkpoint"
+        if self._group is not None:
+            exchange = GroupExchange(
+                self._checkpoint,
+                self._storage,
+                refs,
+                self._group,
+                self.config,
+                functools.partial(_new_tensor, refs, self.device),
+                ordered=ordered,
+            )
+            iteration = _Iteration(exchange.results())
+            self._run, self._exchange = None, exchange
+        else:
+            run = self._new_run(refs, ordered=ordered, keep_all=keep_all)
+            iteration = _Iteration(run.results())
+            self._run, self._exchange = run, None
         self._iteration = weakref.ref(iteration)
         return iteration
 
@@ -240,15 +305,27 @@ class Streamer:
         self.close()
 
 
+def _new_tensor(refs: Sequence[TensorRef], device: torch.device, position: int) -> torch.Tensor:
+    """Fresh memory for a tensor a group read assembles."""
+    entry = refs[position].entry
+    if entry.nbytes == 0:
+        return empty_tensor(entry, device)
+    return torch.empty(entry.shape, dtype=entry.dtype.torch_dtype, device=device)
+
+
 def open(
     source: SourceLike,
     *,
     device: str | int | torch.device = "cpu",
     config: StreamerConfig | None = None,
     order: Order = "completion",
+    group: dist.ProcessGroup | None = None,
 ) -> Streamer:
-    """Opens a checkpoint: a file, a list of files, a directory or a ``*.index.json``."""
-    return Streamer(source, device=device, config=config, order=order)
+    """Opens a checkpoint: a file, a list of files, a directory or a ``*.index.json``.
+
+    ``group``: iterating loads with the ranks of this process group (see ``streamer.group``).
+    """
+    return Streamer(source, device=device, config=config, order=order, group=group)
 
 
 def load(
@@ -257,14 +334,17 @@ def load(
     *,
     config: StreamerConfig | None = None,
     progress: bool = False,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, keyed in checkpoint order.
 
     The result holds everything, so for CPU ``memory_limit`` does not apply here (use
     ``open`` to stream under a limit); for a GPU it bounds the host staging ring.
     ``progress`` shows a bytes and GB/s bar on stderr (tqdm's when it is installed).
+    ``group``: every rank of this ``torch.distributed`` group calls ``load`` for the same
+    checkpoint; each reads about ``1/N`` of the bytes and receives the rest (``streamer.group``).
     """
-    with Streamer(source, device=device, config=config) as handle:
+    with Streamer(source, device=device, config=config, group=group) as handle:
         loaded: dict[str, torch.Tensor] = {}
         with ByteProgress(handle.nbytes, enabled=progress) as bar:
             for name, tensor in handle._iterate(keep_all=True):
@@ -309,6 +389,7 @@ def load_into(
     *,
     config: StreamerConfig | None = None,
     strict: bool = True,
+    group: dist.ProcessGroup | None = None,
 ) -> IncompatibleKeys:
     """Reads the checkpoint straight into existing tensors (CPU or GPU, e.g. a model's state dict).
 
@@ -318,10 +399,14 @@ def load_into(
     Bytes go through a host ring of at most ``memory_limit`` bytes and are copied into the
     tensors in place; when this returns, the current stream of each GPU is ordered after the
     copies, and an error can leave some tensors loaded and others not.
+
+    ``group``: every rank of this ``torch.distributed`` group calls ``load_into`` for the same
+    checkpoint and the same tensor names; each reads about ``1/N`` of the bytes and receives the
+    rest (``streamer.group``). The tensors of ``dest`` must then be contiguous.
     """
     config = config if config is not None else StreamerConfig()
     with open_storage(source, config) as storage:
-        return _load_into(dest, storage, read_checkpoint(storage, source), config, strict)
+        return _load_into(dest, storage, read_checkpoint(storage, source), config, strict, group)
 
 
 def _load_into(
@@ -330,6 +415,7 @@ def _load_into(
     checkpoint: Checkpoint,
     config: StreamerConfig,
     strict: bool,
+    group: dist.ProcessGroup | None,
 ) -> IncompatibleKeys:
     missing = [name for name in dest if name not in checkpoint.tensors]
     unexpected = [name for name in checkpoint.tensors if name not in dest]
@@ -341,6 +427,9 @@ def _load_into(
             path=checkpoint.headers[checkpoint.tensors[unexpected[0]].file].path,
             tensor=unexpected[0],
         )
+    if group is not None:
+        _exchange_into(dest, storage, checkpoint, config, group)
+        return IncompatibleKeys(missing, unexpected)
     by_device: dict[torch.device, list[str]] = {}
     for name in dest:
         if name in checkpoint.tensors:
@@ -350,6 +439,28 @@ def _load_into(
     for device, names in by_device.items():
         _fill(storage, checkpoint, {name: dest[name] for name in names}, parse_device(device), config, rings)
     return IncompatibleKeys(missing, unexpected)
+
+
+def _exchange_into(
+    dest: Mapping[str, torch.Tensor],
+    storage: Storage,
+    checkpoint: Checkpoint,
+    config: StreamerConfig,
+    group: dist.ProcessGroup,
+) -> None:
+    """``load_into`` with a group: the tensors both sides have, in checkpoint order, assembled in place."""
+    names = [name for name in checkpoint.tensors if name in dest]
+    for name in names:
+        _check_destination(checkpoint, name, dest[name])
+        if not dest[name].is_contiguous():
+            path = checkpoint.headers[checkpoint.tensors[name].file].path
+            raise ConfigError("a group load fills contiguous tensors only", path=path, tensor=name)
+    refs = [checkpoint.tensors[name] for name in names]
+    exchange = GroupExchange(
+        checkpoint, storage, refs, group, config, lambda p: dest[names[p]], ordered=False
+    )
+    for _ in exchange.results():
+        pass
 
 
 def _check_destination(checkpoint: Checkpoint, name: str, tensor: object) -> None:

@@ -238,6 +238,9 @@ class StreamerConfig:
         of ~262,000, and cold 1 GiB loads 1.47x faster, paired over 8 interleaved rounds on our
         2-core VMs (``streamer-bench --cold --baseline``; warm: not separable).
         ``STREAMER_HUGEPAGES=0`` turns it off.
+    group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
+        pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
+        wait for a rank that died or stopped calling.
     """
 
     concurrency: int = field(default_factory=lambda: _env_int("STREAMER_CONCURRENCY", 8))
@@ -252,6 +255,7 @@ class StreamerConfig:
         default_factory=lambda: _env_int("STREAMER_HUGEPAGES", int(_transparent_hugepages())) != 0
     )
     s3: S3Config = field(default_factory=S3Config)
+    group_timeout: float = field(default_factory=lambda: _env_float("STREAMER_GROUP_TIMEOUT", 30.0))
 
     @property
     def explicit_memory_limit(self) -> int | None:
@@ -268,5 +272,7 @@ class StreamerConfig:
             raise ConfigError(
                 f"memory_limit must be a positive number of bytes, None (auto) or 'unlimited', got {limit!r}"
             )
+        if not self.group_timeout > 0:
+            raise ConfigError(f"group_timeout must be positive, got {self.group_timeout}")
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")

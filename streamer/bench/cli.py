@@ -240,6 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="seconds one run may take (default 1800)",
     )
+    p.add_argument(
+        "--ranks",
+        type=positive_int,
+        metavar="N",
+        help="N processes in a gloo group (group=) against the same N loading independently, "
+        "interleaved; replaces the loader comparison (streamer/bench/ranks.py)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -560,6 +567,17 @@ def document(
     }
 
 
+def _rank_bench(args: argparse.Namespace, checkpoint: Checkpoint, progress: Progress) -> int:
+    from streamer.bench import ranks
+
+    doc = ranks.bench(checkpoint, args.ranks, args.repeat, args.states, progress)
+    print(ranks.render(doc))
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        progress(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     if given[:1] == ["vllm"]:  # the vLLM cold-start subcommand (streamer/bench/vllm_bench.py)
@@ -586,6 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except cache.CacheStateError as exc:
             print(f"streamer-bench: error: {exc}", file=sys.stderr)
             return 1
+        if args.ranks is not None:
+            return _rank_bench(args, checkpoint, progress)
         planned, skipped = plan(args, checkpoint, probed, workdir, progress)
         for s in skipped:
             progress(f"skipping {s['loader']}: {s['reason']}")

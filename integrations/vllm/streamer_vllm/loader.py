@@ -30,6 +30,7 @@ import streamer
 from streamer.progress import ByteProgress
 from streamer.sources import SourceLike
 from streamer_vllm.checks import check_all_loaded, target_device
+from streamer_vllm.distributed import loading_group
 from streamer_vllm.hub import fetch_from_hub
 from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
@@ -96,7 +97,8 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
 
     def _open(self, source: StreamedSource, device: str) -> streamer.Streamer:
         """``source`` opened, less the shards holding only weights the model never loads."""
-        handle = streamer.open(source.source, device=device, config=self.options.config)
+        group = loading_group(self.options.distributed, device)
+        handle = streamer.open(source.source, device=device, config=self.options.config, group=group)
         if source.is_unused is None:
             return handle
         try:
@@ -108,7 +110,7 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             return handle
         handle.close()
         logger.info("Reading the %d shard(s) holding weights the model loads", len(kept))
-        return streamer.open(kept, device=device, config=self.options.config)
+        return streamer.open(kept, device=device, config=self.options.config, group=group)
 
     def all_weights(
         self, model: nn.Module, model_config: ModelConfig, device: str, metrics: Metrics

@@ -3,7 +3,9 @@
 Keys (all optional): ``concurrency`` (reader threads), ``block_size`` and ``memory_limit`` (bytes,
 as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unbounded), and
 ``weights`` (a local file, directory, ``*.index.json`` or ``s3://`` URI holding the safetensors,
-for when ``--model`` is a directory with only the config and tokenizer). Fields not given keep
+for when ``--model`` is a directory with only the config and tokenizer), and ``distributed``
+(default true: with tensor parallelism, the ranks load as a group through vLLM's TP group, each
+reading about ``1/TP`` of the bytes; false: every rank reads everything). Fields not given keep
 ``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an unset
 ``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
 """
@@ -20,7 +22,7 @@ from typing import Any
 from streamer.config import UNLIMITED, StreamerConfig, parse_size
 from streamer.errors import ConfigError, SourceError
 
-KEYS = ("concurrency", "block_size", "memory_limit", "weights")
+KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed")
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -30,6 +32,7 @@ class LoaderOptions:
 
     config: StreamerConfig
     weights: str | None = None
+    distributed: bool = True  # load through vLLM's TP group when there is one
 
 
 def _size(key: str, value: object) -> int:
@@ -64,8 +67,11 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     weights = extra.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
         raise ConfigError(f"weights must be a path or an s3:// URI, got {weights!r}")
+    distributed = extra.get("distributed", True)
+    if not isinstance(distributed, bool):
+        raise ConfigError(f"distributed must be true or false, got {distributed!r}")
     config = dataclasses.replace(StreamerConfig(), **changes)  # __post_init__ checks the ranges
-    return LoaderOptions(config=config, weights=weights)
+    return LoaderOptions(config=config, weights=weights, distributed=distributed)
 
 
 def is_remote(location: str) -> bool:

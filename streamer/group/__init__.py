@@ -1,0 +1,15 @@
+"""Group loads: the ranks of a ``torch.distributed`` group read each byte once and share it.
+
+Contract (every rank of the group must keep it, or the others raise after ``group_timeout``):
+
+- every rank opens the same checkpoint (same tensors, same byte layout; the files may be
+  separate copies) and makes the same group calls in the same order: ``load``, ``load_into``
+  and iterating a ``Streamer`` opened with ``group=``. ``get_tensor`` and ``read`` never use
+  the group (each rank reads for itself);
+- every rank asks for the same tensors (checked: a mismatch is a ``ConfigError`` on every rank);
+- tensors come out in the group's plan order (``order="completion"``); ``order="checkpoint"``
+  still yields in checkpoint order, later.
+
+``plan.py`` decides, identically on every rank, which rank reads which bytes; ``exchange.py``
+reads this rank's share through an ordinary run and broadcasts every piece from its reader.
+"""

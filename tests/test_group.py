@@ -1,0 +1,425 @@
+"""Group loads (issue 14): ranks of a gloo group on 127.0.0.1 read each byte once and share it.
+
+Ranks are real processes (``spawn``); each runs a whole scenario of cases and reports what it
+saw, and the test asserts on every rank's report. The plan is tested as a pure function.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import (
+    TORCH_DTYPE,
+    KiB,
+    Written,
+    bench,
+    config,
+    loopback_s3_config,
+    random_tensor,
+    s3_client,
+    write_checkpoint,
+)
+
+import streamer
+from streamer import StreamerConfig, StreamerError
+from streamer.group.plan import GroupPlan, Span, make_plan
+
+BUCKET = "group"
+ACCESS_KEY = "AKIDGROUPTEST"
+SECRET_KEY = "group/secret"
+RANK_START_S = 120  # spawning ranks that import torch is slow on a busy machine
+
+# --- the plan, as a pure function -------------------------------------------------------------------
+
+
+def _covered(plan: GroupPlan, wants: list[list[Span]]) -> dict[tuple[int, int], bytearray]:
+    """How often the plan delivers each byte of each rank's wanted span."""
+    seen = {
+        (r, p): bytearray(end - begin)
+        for r, spans in enumerate(wants)
+        for p, (_, begin, end) in enumerate(spans)
+    }
+    for piece in plan.pieces:
+        for part in piece.parts:
+            file, begin, _ = wants[part.rank][part.position]
+            assert piece.file == file
+            assert piece.begin + part.piece_offset == begin + part.tensor_offset
+            assert part.piece_offset + part.nbytes <= piece.nbytes
+            for i in range(part.tensor_offset, part.tensor_offset + part.nbytes):
+                seen[part.rank, part.position][i] += 1
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_plan_delivers_every_wanted_byte_once_and_balances_contiguous_shares(world: int) -> None:
+    spans = [(0, 100 * i, 100 * i + 100) for i in range(10)]  # touching: one range
+    spans += [(1, 0, 1000), (1, 5000, 5003), (1, 7, 7)]
+    wants = [list(spans) for _ in range(world)]
+    plan = make_plan(wants, piece_bytes=128)
+    for key, counts in _covered(plan, wants).items():
+        assert all(c == 1 for c in counts), key
+    assert all(p.nbytes <= 128 for p in plan.pieces)
+    assert all(p.wanted_by == tuple(range(world)) for p in plan.pieces)
+    # Only wanted bytes are read: the gap between the two spans of file 1 is not.
+    assert sum(p.nbytes for p in plan.pieces) == 1000 + 1000 + 3
+    shares = [plan.share_bytes(r) for r in range(world)]
+    assert sum(shares) == 2003
+    assert max(shares) - min(shares) <= 128
+    in_storage_order = [p.reader for p in sorted(plan.pieces, key=lambda p: (p.file, p.begin))]
+    assert in_storage_order == sorted(in_storage_order)  # contiguous shares, rank 0 first
+    # Round-robin exchange: the first pieces come from every rank in turn.
+    assert [p.reader for p in plan.pieces[:world]] == list(range(world))
+
+
+def test_plan_reads_overlapping_slices_once_and_sends_them_only_where_wanted() -> None:
+    wants: list[list[Span]] = [[(0, 0, 600)], [(0, 400, 1000), (0, 400, 600)], [(0, 2000, 2100)]]
+    plan = make_plan(wants, piece_bytes=256)
+    assert sum(p.nbytes for p in plan.pieces) == 1000 + 100  # the overlap is read once
+    for counts in _covered(plan, wants).values():
+        assert all(c == 1 for c in counts)
+    for piece in plan.pieces:
+        if piece.file == 0 and piece.begin >= 2000:
+            assert piece.wanted_by == (2,)
+        elif piece.end <= 400:
+            assert piece.wanted_by == (0,)
+    assert make_plan(wants, piece_bytes=256) == plan
+
+
+# --- ranks -------------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, world: int, init: str, scenario: str, args: tuple[Any, ...], out: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        report = SCENARIOS[scenario](rank, world, *args)
+    except BaseException:  # reported to the test, which fails with it
+        report = {"crashed": traceback.format_exc()}
+    torch.save(report, Path(out) / f"{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _spawn(
+    tmp_path: Path, world: int, scenario: str, *args: Any, expect_dead: tuple[int, ...] = ()
+) -> list[Any]:
+    out = tmp_path / f"{scenario}-{world}"
+    out.mkdir()
+    init = str(tmp_path / f"{scenario}-{world}.init")
+    context = mp.get_context("spawn")
+    ranks = [
+        context.Process(target=_worker, args=(r, world, init, scenario, args, str(out))) for r in range(world)
+    ]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + RANK_START_S
+    for process in ranks:
+        process.join(max(1.0, deadline - time.monotonic()))
+    alive = [r for r, p in enumerate(ranks) if p.is_alive()]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert not alive, f"ranks {alive} hung"
+    reports = []
+    for rank, process in enumerate(ranks):
+        if rank in expect_dead:
+            reports.append(None)
+            continue
+        assert process.exitcode == 0, f"rank {rank} exited with {process.exitcode}"
+        report = torch.load(out / f"{rank}.pt", weights_only=False)
+        assert "crashed" not in report, f"rank {rank}:\n{report['crashed']}"
+        reports.append(report)
+    return reports
+
+
+def _reference(shards: list[str]) -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        loaded.update(safetensors.torch.load_file(shard))
+    return loaded
+
+
+def _differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose dtype, shape or bytes differ (or that are missing or extra)."""
+    bad = sorted(set(got) ^ set(expected))
+    for name, tensor in expected.items():
+        if name in got:
+            mine = got[name]
+            same = mine.dtype == tensor.dtype and mine.shape == tensor.shape
+            if not same or not torch.equal(_raw(mine), _raw(tensor)):
+                bad.append(name)
+    return bad
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _iterate(
+    source: str, settings: StreamerConfig, **kwargs: Any
+) -> tuple[dict[str, torch.Tensor], list[str], dict[str, Any]]:
+    with streamer.open(source, config=settings, group=dist.group.WORLD, **kwargs) as handle:
+        names, got = [], {}
+        for name, tensor in handle:
+            names.append(name)
+            got[name] = tensor
+        return got, names, handle.metrics
+
+
+def _loads(
+    rank: int, world: int, source: str, shards: list[str], settings: StreamerConfig, limit: int
+) -> dict[str, Any]:
+    """Every group API on every rank: iteration (both orders), ``load``, ``load_into``, a memory limit."""
+    expected = _reference(shards)
+    got, names, metrics = _iterate(source, settings)
+    report: dict[str, Any] = {"iterate": _differences(got, expected), "metrics": metrics}
+    got, names, _ = _iterate(source, settings, order="checkpoint")
+    report["checkpoint_order"] = names
+    report["ordered"] = _differences(got, expected)
+    report["load"] = _differences(streamer.load(source, config=settings, group=dist.group.WORLD), expected)
+    dest = {name: torch.zeros_like(t) for name, t in expected.items()}
+    streamer.load_into(dest, source, config=settings, group=dist.group.WORLD)
+    report["load_into"] = _differences(dest, expected)
+    limited = StreamerConfig(**{**settings.__dict__, "memory_limit": limit})
+    got, _, metrics = _iterate(source, limited)
+    report["limited"] = _differences(got, expected)
+    report["limited_metrics"] = metrics
+    return report
+
+
+def _s3(rank: int, world: int, url: str, shards: list[str], settings: StreamerConfig) -> dict[str, Any]:
+    """A group load from S3, then (rank 0) the same load alone, for the request counts."""
+    expected = _reference(shards)
+    got, _, metrics = _iterate(url, settings)
+    report: dict[str, Any] = {"differences": _differences(got, expected), "metrics": metrics}
+    if rank == 0:
+        with streamer.open(url, config=settings) as handle:
+            alone = dict(iter(handle))
+            report["alone"] = handle.metrics
+        report["alone_differences"] = _differences(alone, expected)
+    return report
+
+
+def _failures(rank: int, world: int, directory: str, settings: StreamerConfig) -> dict[str, Any]:
+    """Rank 1's read fails; then the group loads again (nothing left broken); then rank 1 dies mid-load."""
+    import threading
+
+    mine = Path(directory) / f"rank{rank}"
+    shutil.copytree(Path(directory) / "checkpoint", mine)
+    source = str(mine / "model.safetensors.index.json")
+    threads = threading.active_count()
+    report: dict[str, Any] = {}
+    other = source if rank == 0 else str(sorted(mine.glob("*.safetensors"))[0])  # another layout
+    try:
+        streamer.load(other, config=settings, group=dist.group.WORLD)
+    except StreamerError as error:
+        report["different_checkpoints"] = type(error).__name__
+    with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
+        if rank == 1:  # after the headers were read: its share (the second half) is gone
+            last = sorted(mine.glob("*.safetensors"))[-1]
+            os.truncate(last, last.stat().st_size // 2)
+        started = time.monotonic()
+        try:
+            dict(iter(handle))
+        except StreamerError as error:
+            report["read_failure"] = (type(error).__name__, str(error), time.monotonic() - started)
+    report["threads_after_failure"] = threading.active_count() - threads
+    if rank == 1:
+        shutil.rmtree(mine)
+        shutil.copytree(Path(directory) / "checkpoint", mine)
+    report["again"] = _differences(
+        _iterate(source, settings)[0], _reference(sorted(map(str, mine.glob("*.safetensors"))))
+    )
+    with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
+        started = time.monotonic()
+        try:
+            for _ in handle:
+                if rank == 1:
+                    os._exit(3)  # dies in the middle of the load, without a word
+        except StreamerError as error:
+            report["peer_died"] = (type(error).__name__, str(error), time.monotonic() - started)
+    return report
+
+
+def _subsets(
+    rank: int, world: int, source: str, shards: list[str], settings: StreamerConfig
+) -> dict[str, Any]:
+    """Each rank asks for its own rows of ``matrix`` (overlapping its neighbour's), a tensor every
+    rank wants, and rank 0 one more; then ``load_into`` with a different subset on each rank."""
+    expected = _reference(shards)
+    rows = expected["matrix"].shape[0] // world
+    first, last = rank * rows, min(expected["matrix"].shape[0], rank * rows + rows + rows // 2)
+    with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
+        refs = [handle.rows("matrix", first, last), handle.checkpoint.ref("large.00")]
+        if rank == 0:
+            refs.append(handle.checkpoint.ref("large.01"))
+        got = handle.group_read(refs)
+        wanted = {"matrix": expected["matrix"][first:last], "large.00": expected["large.00"]}
+        if rank == 0:
+            wanted["large.01"] = expected["large.01"]
+        report: dict[str, Any] = {
+            "slices": _differences(dict(zip(wanted, got, strict=True)), wanted),
+            "metrics": handle.metrics,
+            "wanted_bytes": sum(t.nbytes for t in wanted.values()),
+        }
+    mine = {f"small.{rank:02d}", f"large.{rank + 2:02d}"}
+    dest = {name: torch.zeros_like(expected[name]) for name in mine}
+    streamer.load_into(dest, source, config=settings, group=dist.group.WORLD, strict=False)
+    report["load_into"] = _differences(dest, {name: expected[name] for name in mine})
+    return report
+
+
+SCENARIOS = {"loads": _loads, "s3": _s3, "failures": _failures, "subsets": _subsets}
+
+
+# --- cases -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Written:
+    """Every dtype, 0-d and empty tensors, small and multi-piece ones, in two shards with an index."""
+    g = torch.Generator().manual_seed(14)
+    tensors: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(TORCH_DTYPE.values()):
+        tensors[f"small.{i:02d}"] = random_tensor((3, 1 + i), dtype, g)
+        tensors[f"large.{i:02d}"] = random_tensor((64 * KiB + 7 * i,), dtype, g)
+    tensors["matrix"] = random_tensor((90, 1000), torch.float32, g)
+    tensors["scalar"] = random_tensor((), torch.float32, g)
+    tensors["empty"] = torch.empty(0, 5)
+    return write_checkpoint(tmp_path_factory.mktemp("group") / "checkpoint", tensors, shards=2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_gets_every_tensor_bit_exact_reading_about_its_share(
+    tmp_path: Path, written: Written, world: int
+) -> None:
+    shards = [str(s) for s in written.shards]
+    limit = 256 * KiB
+    reports = _spawn(tmp_path, world, "loads", str(written.source), shards, config(), limit)
+    total = written.nbytes
+    reads = []
+    for rank, report in enumerate(reports):
+        for case in ("iterate", "ordered", "load", "load_into", "limited"):
+            assert report[case] == [], f"rank {rank}, {case}: {report[case][:5]}"
+        assert report["checkpoint_order"] == list(_reference(shards))
+        group = report["metrics"]["group"]
+        assert group["world_size"] == world and group["rank"] == rank
+        reads.append(report["metrics"]["bytes_read"])
+        assert group["received_bytes"] == total - group["share_bytes"]
+        limited = report["limited_metrics"]
+        assert 0 < limited["peak_buffer_bytes"] <= limit
+    # The group reads the checkpoint once (reads are rounded out to pages at their ends).
+    assert total <= sum(reads) <= total + reports[0]["metrics"]["group"]["pieces"] * 2 * 4 * KiB
+    for read in reads:
+        assert abs(read - total / world) <= 0.15 * total / world, reads
+
+
+def test_each_rank_gets_exactly_the_slices_it_asked_for_and_unwanted_bytes_are_not_read(
+    tmp_path: Path, written: Written
+) -> None:
+    shards = [str(s) for s in written.shards]
+    reports = _spawn(tmp_path, 3, "subsets", str(written.source), shards, config(io_mode="buffered"))
+    tensors = written.tensors
+    union = tensors["matrix"].nbytes + tensors["large.00"].nbytes + tensors["large.01"].nbytes
+    reads = [r["metrics"]["bytes_read"] for r in reports]
+    pieces = reports[0]["metrics"]["group"]["pieces"]
+    assert union <= sum(reads) <= union + pieces * 2 * 4 * KiB, (reads, union)  # read once, nothing else
+    for rank, report in enumerate(reports):
+        assert report["slices"] == [], f"rank {rank}: {report['slices']}"
+        assert report["load_into"] == [], f"rank {rank}: {report['load_into']}"
+        group = report["metrics"]["group"]
+        # Only pieces it wants come to a rank (a piece may hold a little more than its share).
+        assert group["received_bytes"] <= report["wanted_bytes"] + 4 * 128 * KiB
+    assert reports[2]["metrics"]["group"]["received_bytes"] < union - tensors["large.01"].nbytes
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server: str) -> Any:
+    client = s3_client(s3_server, ACCESS_KEY, SECRET_KEY)
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def test_s3_group_reads_each_byte_once_with_the_requests_of_one_rank(
+    tmp_path: Path, written: Written, s3: Any, s3_server: str
+) -> None:
+    for path in [*written.shards, written.index]:
+        assert path is not None
+        s3.upload_file(str(path), BUCKET, f"model/{path.name}")
+    settings = StreamerConfig(
+        block_size=64 * KiB,
+        s3=loopback_s3_config(s3_server, (ACCESS_KEY, SECRET_KEY, "token"), session_token=None),
+    )
+    url = f"s3://{BUCKET}/model/model.safetensors.index.json"
+    reports = _spawn(tmp_path, 2, "s3", url, [str(s) for s in written.shards], settings)
+    alone = reports[0]["alone"]
+    assert reports[0]["alone_differences"] == []
+    for report in reports:
+        assert report["differences"] == []
+    group_bytes = [r["metrics"]["bytes_read"] for r in reports]
+    assert sum(group_bytes) == alone["bytes_read"] == written.nbytes
+    group_requests = sum(r["metrics"]["requests"] for r in reports)
+    # The ranged GETs of one rank alone, shared out (headers are read by every rank, outside runs).
+    assert group_requests == alone["requests"], (group_requests, alone["requests"])
+
+
+def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeout(
+    tmp_path: Path, written: Written
+) -> None:
+    shutil.copytree(written.directory, tmp_path / "checkpoint")
+    timeout = 4.0
+    settings = config(group_timeout=timeout)
+    survivor, _ = _spawn(tmp_path, 2, "failures", str(tmp_path), settings, expect_dead=(1,))
+    assert survivor["different_checkpoints"] == "ConfigError"
+    kind, message, seconds = survivor["read_failure"]
+    assert kind == "StreamerError" and "rank(s) [1]" in message
+    assert seconds < timeout  # told at once, not after the timeout
+    assert survivor["threads_after_failure"] == 0
+    assert survivor["again"] == []
+    kind, message, seconds = survivor["peer_died"]
+    assert kind == "StreamerError" and "group exchange failed" in message
+    assert seconds < timeout + 5
+
+
+def test_bench_ranks_compares_a_group_with_independent_loads(tmp_path: Path) -> None:
+    out = tmp_path / "ranks.json"
+    proc = bench("--synthetic", "8MiB", "--ranks", "2", "--repeat", "1", "--warm", "--json", str(out), "-q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["ranks"] == 2
+    (section,) = doc["sections"]
+    group, alone = section["medians"]["group"], section["medians"]["independent"]
+    assert group["bytes_read_group"] < 1.1 * doc["tensor_bytes"] < alone["bytes_read_group"]
+    assert all(r["wall_s"] > 0 for r in section["runs"])
+    assert group["exchange_s"] > 0 == alone["exchange_s"]
+    assert "group/independent wall" in proc.stdout
+
+
+def test_vllm_plugin_loads_through_the_tp_group_unless_told_not_to() -> None:
+    options = pytest.importorskip(
+        "streamer_vllm.options", reason="the plugin (integrations/vllm) is not installed"
+    )
+    from streamer_vllm.distributed import loading_group
+
+    assert options.parse_options({}).distributed is True
+    assert options.parse_options({"distributed": False}).distributed is False
+    with pytest.raises(streamer.ConfigError, match="distributed must be true or false"):
+        options.parse_options({"distributed": "no"})
+    assert loading_group(False, "cpu") is None  # off: vLLM is not even asked
