@@ -104,7 +104,12 @@ class GroupExchange:
         wants = self._gather_wants()
         piece_bytes = _piece_bytes(self._config, union_bytes(wants), self._world)
         self._plan = plan = make_plan(wants, piece_bytes)
-        cpu = functools.partial(CpuSink, self._config, one_receiver=self._storage.one_receiver)
+        cpu = functools.partial(
+            CpuSink,
+            self._config,
+            one_receiver=self._storage.one_receiver,
+            request_bytes=self._storage.read_cost.request_bytes,
+        )
         mine = [_piece_ref(index, plan.pieces[index]) for index in plan.share(self._rank)]
         self.run = Run(self._checkpoint, mine, self._config, cpu, ordered=True, storage=self._storage)
         own = self.run.results()

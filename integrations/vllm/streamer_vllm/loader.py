@@ -135,13 +135,16 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         loaded = cast(Any, model).load_weights(self.all_weights(model, model_config, device, metrics))
         seconds = time.perf_counter() - started
         nbytes = sum(int(m.get("bytes", 0)) for _, m in metrics)
+        nread = sum(int(m.get("bytes_read", 0)) for _, m in metrics)  # a group's rank reads its share
         first = metrics[0][1] if metrics else {}
         why = first.get("memory_limit_source")  # CPU streaming only; a GPU load goes through the ring
         budget = f", memory_limit {first.get('memory_limit')} ({why})" if why else ""
         logger.info(
-            "Loading weights took %.2f seconds (streamer: %d bytes from %s to %s, %.2f GB/s%s)",
+            "Loading weights took %.2f seconds "
+            "(streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
             seconds,
             nbytes,
+            nread,
             " + ".join(where for where, _ in metrics),
             device,
             nbytes / seconds / 1e9 if seconds > 0 else 0.0,
