@@ -177,23 +177,33 @@ _LOADER = """
 import json, sys, time
 import streamer
 from streamer import CacheConfig, S3Config, StreamerConfig
-endpoint, cache_dir, source, start = sys.argv[1:5]
+endpoint, cache_dir, source, start, key, secret, token, chunk = sys.argv[1:9]
 s3 = S3Config(endpoint_url=endpoint, region="us-east-1", addressing_style="path",
-              access_key_id=%r, secret_access_key=%r, session_token=%r, concurrency=4)
+              access_key_id=key, secret_access_key=secret, session_token=token, concurrency=4)
 config = StreamerConfig(concurrency=2, block_size=48 * 1024, s3=s3,
-                        cache=CacheConfig(dir=cache_dir, chunk_bytes=%d))
+                        cache=CacheConfig(dir=cache_dir, chunk_bytes=int(chunk)))
 while time.time() < float(start):
     time.sleep(0.001)
 with streamer.open(source, config=config) as handle:
     for _ in handle:
         pass
     print(json.dumps(handle.metrics))
-""" % (*CREDENTIALS, CHUNK)
+"""
 
 
 def loader(s3_server: str, cache_dir: Path, start: float) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-c", _LOADER, s3_server, str(cache_dir), prefix(s3_server), str(start)],
+        [
+            sys.executable,
+            "-c",
+            _LOADER,
+            s3_server,
+            str(cache_dir),
+            prefix(s3_server),
+            str(start),
+            *CREDENTIALS,
+            str(CHUNK),
+        ],
         stdout=subprocess.PIPE,
         text=True,
         cwd="/",  # the installed package, not the source tree
@@ -239,7 +249,7 @@ def test_eviction_keeps_max_bytes(s3_server: str, model: Written, tmp_path: Path
     stored = chunk_files(tmp_path)
     assert 0 < len(stored) <= 4
     assert sum(p.stat().st_size for p in stored) <= limit
-    got, again = load(prefix(s3_server), cfg(s3_server, tmp_path, max_bytes=limit))
+    got, _ = load(prefix(s3_server), cfg(s3_server, tmp_path, max_bytes=limit))
     assert_same_dict(got, reference_load(model.shards))
     assert sum(p.stat().st_size for p in chunk_files(tmp_path)) <= limit
 
