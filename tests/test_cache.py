@@ -291,3 +291,13 @@ def test_cache_config_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_
     assert cache.dir == str(tmp_path) and cache.max_bytes == 3 * 1024**3
     with pytest.raises(streamer.ConfigError):
         CacheConfig(dir=str(tmp_path), max_bytes=0)
+
+
+def test_vllm_plugin_cache_keys(tmp_path: Path) -> None:
+    from streamer_vllm.options import parse_options
+
+    options = parse_options({"cache_dir": str(tmp_path), "cache_max_bytes": "2GiB"})
+    assert options.config.cache == CacheConfig(dir=str(tmp_path), max_bytes=2 * 1024**3)
+    assert parse_options({}).config.cache.dir is None
+    with pytest.raises(streamer.ConfigError):
+        parse_options({"cache_max_bytes": 0})
