@@ -99,10 +99,12 @@ class ChunkStore:
                 with contextlib.suppress(OSError):
                     os.utime(path)  # LRU: most recently used
                 return data
+        try:
+            os.unlink(path)  # whoever removes it counts it (two readers of one bad chunk: one error)
+        except OSError:
+            return None
         with self._mutex:
             self.errors += 1
-        with contextlib.suppress(OSError):
-            os.unlink(path)
         return None
 
     def lock(self, ident: str, index: int, wait: float) -> ChunkLock | None:
