@@ -205,6 +205,33 @@ class S3Config:
         return f"S3Config({', '.join(shown)})"
 
 
+def _env_cache_max_bytes() -> int:
+    raw = os.environ.get("STREAMER_CACHE_MAX_BYTES")
+    return parse_size(raw, name="STREAMER_CACHE_MAX_BYTES") if raw else 100 * 1024**3
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """A local cache of object-storage blocks, shared by the processes of a node (S3 sources).
+
+    dir: the cache directory; ``None`` (the default, unless ``STREAMER_CACHE_DIR`` is set): no cache.
+    max_bytes: cached bytes kept at most (``STREAMER_CACHE_MAX_BYTES``, default 100 GiB); the least
+        recently used blocks are evicted beyond it.
+    chunk_bytes: the cache's block: objects are cached in pieces of this size on a fixed grid of
+        object offsets, so any later load, whatever its layout, finds them.
+    """
+
+    dir: str | None = field(default_factory=lambda: _env_str("STREAMER_CACHE_DIR"))
+    max_bytes: int = field(default_factory=_env_cache_max_bytes)
+    chunk_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ConfigError(f"cache max_bytes must be positive, got {self.max_bytes}")
+        if self.chunk_bytes < 4096:
+            raise ConfigError(f"cache chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+
+
 UNLIMITED: Literal["unlimited"] = "unlimited"
 MemoryLimit = int | Literal["unlimited"] | None
 
@@ -241,6 +268,7 @@ class StreamerConfig:
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.
+    cache: a local cache in front of object storage (off unless ``cache.dir`` is set).
     """
 
     concurrency: int = field(default_factory=lambda: _env_int("STREAMER_CONCURRENCY", 8))
@@ -256,6 +284,7 @@ class StreamerConfig:
     )
     s3: S3Config = field(default_factory=S3Config)
     group_timeout: float = field(default_factory=lambda: _env_float("STREAMER_GROUP_TIMEOUT", 30.0))
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     @property
     def explicit_memory_limit(self) -> int | None:

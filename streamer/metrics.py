@@ -95,4 +95,8 @@ class LoadMetrics:
             "prefault_bytes": self.prefault_bytes,
             "requests": self.storage.get("requests", 0),  # S3 requests, retries included
             "retries": self.storage.get("retries", 0),  # S3 tries that failed and were retried
+            "cache_hit_bytes": self.storage.get("cache_hit_bytes", 0),  # cache: chunk bytes read from it
+            "cache_miss_bytes": self.storage.get("cache_miss_bytes", 0),  # cache: chunk bytes fetched from S3
+            "cache_write_bytes": self.storage.get("cache_write_bytes", 0),  # cache: chunk bytes stored
+            "cache_errors": self.storage.get("cache_errors", 0),  # cache: chunks failing their check
         }

@@ -21,7 +21,12 @@ Factory = Callable[[StreamerConfig], Storage]
 def _s3(config: StreamerConfig) -> Storage:
     from streamer.backends.s3.storage import S3Storage  # botocore stays unimported for local loads
 
-    return S3Storage(config.s3)
+    storage = S3Storage(config.s3)
+    if config.cache.dir is None:
+        return storage
+    from streamer.backends.cache.storage import CachedS3Storage  # xxhash only when a cache is on
+
+    return CachedS3Storage(storage, config.cache, config.s3.endpoint_url)
 
 
 _FACTORIES: dict[str, Factory] = {"s3": _s3}

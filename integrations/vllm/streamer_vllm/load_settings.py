@@ -16,7 +16,9 @@ HONOURED: dict[str, str] = {
     "load_format": "selects this loader",
     "download_dir": "where a model id's safetensors are downloaded to or found in the cache",
     "ignore_patterns": "files a model id's download skips, as for the default loader",
-    "model_loader_extra_config": "streamer's options: concurrency, block_size, memory_limit, weights",
+    "model_loader_extra_config": (
+        "streamer's options: concurrency, block_size, memory_limit, weights, cache_dir, cache_max_bytes"
+    ),
     "device": "vLLM builds the model there; streamer reads to the device of its parameters",
     "use_tqdm_on_load": "the progress bar (bytes, GB/s) on the first rank",
 }

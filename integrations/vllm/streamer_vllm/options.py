@@ -3,9 +3,7 @@
 Keys (all optional): ``concurrency`` (reader threads), ``block_size`` and ``memory_limit`` (bytes,
 as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unbounded), and
 ``weights`` (a local file, directory, ``*.index.json`` or ``s3://`` URI holding the safetensors,
-for when ``--model`` is a directory with only the config and tokenizer), and ``distributed``
-(default true: with tensor parallelism, the ranks load as a group through vLLM's TP group, each
-reading about ``1/TP`` of the bytes; false: every rank reads everything). Fields not given keep
+KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed", "cache_dir", "cache_max_bytes")
 ``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an unset
 ``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
 """
@@ -22,7 +20,7 @@ from typing import Any
 from streamer.config import UNLIMITED, StreamerConfig, parse_size
 from streamer.errors import ConfigError, SourceError
 
-KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed")
+KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed", "cache_dir", "cache_max_bytes")
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -64,6 +62,15 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     if "memory_limit" in extra:
         value = extra["memory_limit"]
         changes["memory_limit"] = UNLIMITED if value is None else _size("memory_limit", value)
+    cache = StreamerConfig().cache
+    if "cache_dir" in extra:
+        value = extra["cache_dir"]
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"cache_dir must be a directory, got {value!r}")
+        cache = dataclasses.replace(cache, dir=value)
+    if "cache_max_bytes" in extra:
+        cache = dataclasses.replace(cache, max_bytes=_size("cache_max_bytes", extra["cache_max_bytes"]))
+    changes["cache"] = cache
     weights = extra.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
         raise ConfigError(f"weights must be a path or an s3:// URI, got {weights!r}")

@@ -45,18 +45,24 @@ class S3Storage(Storage):
         if not ranges:
             return []
         client = self._holder.get()
-        return client.call(_read_ranges(client, [(_object(file), begin, end) for file, begin, end in ranges]))
+        return client.call(
+            _read_ranges(client, [(s3_object(file), begin, end) for file, begin, end in ranges])
+        )
 
     def feed(
         self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
     ) -> Feed:
-        return S3Feeder(self._holder.get(), engine, [_object(file) for file in files])
+        return S3Feeder(self._holder.get(), engine, [s3_object(file) for file in files])
+
+    def client(self) -> S3Client:
+        """The session's client (made on first use), for a storage that wraps this one (the cache)."""
+        return self._holder.get()
 
     def close(self) -> None:
         self._holder.close()
 
 
-def _object(file: StoredFile) -> ObjectInfo:
+def s3_object(file: StoredFile) -> ObjectInfo:
     if not isinstance(file, ObjectInfo):
         raise StreamerError("not an S3 object", path=file.path)  # a bug: files come from this storage
     return file

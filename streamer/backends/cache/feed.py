@@ -1,0 +1,229 @@
+"""The cached part of one run: each block is served chunk by chunk, from the cache or from S3.
+
+A block's credited bytes ``[acc_begin, acc_end)`` are cut on the cache's fixed grid of object
+offsets (``chunk_bytes``). The grid belongs to the object, not to the run: the planner's blocks
+start at each segment's aligned start, so a block usually covers the end of one chunk and the
+start of the next. A chunk missing from the cache is fetched whole from S3 into a private buffer
+(one ranged GET), its part copied into the run's buffer, and the buffer handed to a writer thread;
+so every chunk a full load touches is cached, and a later load of any subset, layout or TP rank
+finds its bytes. The private buffer costs one copy on a miss but frees the run's buffer at once:
+it is credited (and may be reused by the run) before the cache write has even started.
+
+Worker threads (``s3.concurrency`` of them) fetch through the shared S3 client; threads of one
+run needing the same chunk share one fetch (in memory), and processes of a node share one through
+the store's chunk locks: the filler holds the lock until its write is durable, the others wait for
+it and read the chunk from the cache. The writer queue is bounded: a chunk it cannot take is not
+cached (counted), never slowing the load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+from streamer.backends.base import ExternalFeed, Named, tensor_at
+from streamer.backends.cache.store import ChunkLock, ChunkStore
+from streamer.backends.http import Connection
+from streamer.backends.s3.client import S3Client
+from streamer.backends.s3.uri import ObjectInfo
+from streamer.engine import native
+from streamer.errors import S3Error, StreamerError
+
+_FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fetching itself
+_WRITE_QUEUE = 16  # chunks waiting for the writer at most
+
+
+class _Write:
+    __slots__ = ("data", "ident", "index", "lock", "offset")
+
+    def __init__(self, ident: str, index: int, offset: int, data: bytearray, lock: ChunkLock) -> None:
+        self.ident, self.index, self.offset, self.data, self.lock = ident, index, offset, data, lock
+
+
+class CacheFeed(ExternalFeed):
+    """Serves the blocks of ``objects`` (engine files 0..n-1), ``idents`` their cache identities."""
+
+    def __init__(
+        self,
+        client: S3Client,
+        store: ChunkStore,
+        chunk_bytes: int,
+        engine: native.Engine,
+        objects: Sequence[ObjectInfo],
+        idents: Sequence[str],
+        tensors: Named,
+    ) -> None:
+        super().__init__(engine, len(objects))
+        self._client = client
+        self._store = store
+        self._chunk = chunk_bytes
+        self._objects = tuple(objects)
+        self._idents = tuple(idents)
+        self._tensors = tensors
+        self._counted = (client.requests, client.retries, client.bytes_fetched, store.errors)
+        self._mutex = threading.Lock()
+        self._filling: dict[tuple[int, int], Future[tuple[bytes | bytearray, bool]]] = {}
+        self._counters = {
+            "cache_hit_bytes": 0,
+            "cache_miss_bytes": 0,
+            "cache_write_bytes": 0,
+            "cache_dropped": 0,
+        }
+        deadline = client.config.load_deadline
+        self._until = None if deadline is None else time.monotonic() + deadline
+        self._blocks: queue.SimpleQueue[native.Block | None] = queue.SimpleQueue()
+        self._writes: queue.Queue[_Write | None] = queue.Queue(_WRITE_QUEUE)
+        self._closed = False
+        self._workers = [
+            threading.Thread(target=self._work, name="streamer-cache-read", daemon=True)
+            for _ in range(client.config.concurrency)
+        ]
+        self._writer = threading.Thread(target=self._write_loop, name="streamer-cache-write", daemon=True)
+        for thread in (*self._workers, self._writer):
+            thread.start()
+
+    def submit(self, blocks: Sequence[native.Block]) -> None:
+        if self._error is not None:
+            raise self._error
+        for block in blocks:
+            self._blocks.put(block)
+
+    def _work(self) -> None:
+        connection = self._client.connection()
+        try:
+            while (block := self._blocks.get()) is not None:
+                if self._error is None:
+                    self._serve(connection, block)
+        finally:
+            connection.close()
+
+    def _serve(self, connection: Connection, block: native.Block) -> None:
+        info = self._objects[block.file]
+        begin, end = block.acc_begin, block.acc_end
+        view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
+        try:
+            for index in range(begin // self._chunk, (end - 1) // self._chunk + 1):
+                first = index * self._chunk
+                last = min(first + self._chunk, info.size)
+                low, high = max(begin, first), min(end, last)
+                data, cached = self._chunk_data(connection, block.file, index, first, last)
+                view[low - begin : high - begin] = memoryview(data)[low - first : high - first]
+                self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
+        except S3Error as error:
+            self.fail(error, block)
+            return
+        except Exception as exc:  # a bug must still end the run, never hang it
+            name = tensor_at(self._tensors, block.file, begin)
+            self.fail(
+                StreamerError(
+                    f"cache: unexpected failure: {type(exc).__name__}: {exc}", path=info.path, tensor=name
+                ),
+                block,
+            )
+            return
+        finally:
+            view.release()
+        self.credit(block)
+
+    def _chunk_data(
+        self, connection: Connection, file: int, index: int, first: int, last: int
+    ) -> tuple[bytes | bytearray, bool]:
+        """Chunk ``index`` of engine file ``file`` and whether it came from the cache (else S3,
+        fetched by this thread or another of the run)."""
+        ident = self._idents[file]
+        data = self._store.read(ident, index, first, last - first)
+        if data is not None:
+            return data, True
+        with self._mutex:
+            shared = self._filling.get((file, index))
+            mine = shared is None
+            if mine:
+                shared = self._filling[(file, index)] = Future()
+        assert shared is not None
+        if not mine:
+            return shared.result()  # another thread of this run fetches it
+        try:
+            fetched = self._fill(connection, file, index, first, last)
+        except BaseException as error:
+            shared.set_exception(error)
+            raise
+        else:
+            shared.set_result(fetched)
+        finally:
+            with self._mutex:
+                del self._filling[(file, index)]
+        return fetched
+
+    def _fill(
+        self, connection: Connection, file: int, index: int, first: int, last: int
+    ) -> tuple[bytes | bytearray, bool]:
+        ident = self._idents[file]
+        lock = self._store.lock(ident, index, _FILL_WAIT)
+        if lock is not None:
+            data = self._store.read(ident, index, first, last - first)  # filled while we waited
+            if data is not None:
+                lock.release()
+                return data, True
+        buffer = bytearray(last - first)
+        try:
+            view = memoryview(buffer)
+            self._client.call(
+                self._client.fetch_into(connection, self._objects[file], first, last, view, until=self._until)
+            )
+            view.release()
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        if lock is not None:
+            try:
+                self._writes.put_nowait(_Write(ident, index, first, buffer, lock))
+            except queue.Full:
+                lock.release()
+                self._count("cache_dropped", 1)
+        return buffer, False
+
+    def _write_loop(self) -> None:
+        while (write := self._writes.get()) is not None:
+            try:
+                if self._store.write(write.ident, write.index, write.offset, write.data):
+                    self._count("cache_write_bytes", len(write.data))
+            finally:
+                write.lock.release()
+
+    def _count(self, name: str, amount: int) -> None:
+        with self._mutex:
+            self._counters[name] += amount
+
+    def stats(self) -> dict[str, int]:
+        client, store = self._client, self._store
+        with self._mutex:
+            counters = dict(self._counters)
+        return {
+            "s3_files": len(self._objects),
+            "requests": client.requests - self._counted[0],
+            "retries": client.retries - self._counted[1],
+            "bytes_fetched": client.bytes_fetched - self._counted[2],
+            "cache_errors": store.errors - self._counted[3],
+            **counters,
+        }
+
+    def close(self) -> None:
+        """Stops the workers (after the block each is serving) and lets the writer finish what it
+        holds (its chunks are copies, not the run's memory). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            while True:
+                self._blocks.get_nowait()  # queued blocks are dropped
+        for _ in self._workers:
+            self._blocks.put(None)
+        for thread in self._workers:
+            thread.join()
+        self._writes.put(None)
+        self._writer.join()

@@ -1,0 +1,304 @@
+"""The local cache in front of S3 (``StreamerConfig.cache``) against a real S3 server (moto).
+
+A miss then a hit are bit-exact and the hit makes no data GET; the cache is independent of the
+run's layout (another block size hits too); partial caches are served partly from disk; a replaced
+object is a miss; a corrupted, torn or half-written chunk is never served; processes filling at
+once fetch each chunk once; ``max_bytes`` holds; a directory that cannot be written degrades to
+no cache with one warning; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import (
+    KiB,
+    Written,
+    assert_same_dict,
+    fd_count,
+    loopback_s3_config,
+    random_tensor,
+    reference_load,
+    s3_client,
+    thread_count,
+    write_checkpoint,
+)
+
+import streamer
+from streamer import CacheConfig, StreamerConfig
+from streamer.backends.cache import store as cache_store
+from streamer.backends.cache.store import CacheWarning
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
+
+BUCKET = "cached"
+CREDENTIALS = ("AKIDCACHETEST", "cache/secret", "cache-token")
+CHUNK = 64 * KiB
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server: str) -> Any:
+    client = s3_client(s3_server, CREDENTIALS[0], CREDENTIALS[1])
+    client.create_bucket(Bucket=BUCKET)
+    return client
+
+
+def upload(s3: Any, written: Written, prefix: str) -> None:
+    for shard in written.shards:
+        s3.upload_file(str(shard), BUCKET, f"{prefix}/{shard.name}")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory, s3: Any) -> Written:
+    """Two shards of about 600 KiB: ten 64 KiB chunks each."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"w{i}": random_tensor((37 * KiB + 11 * i,), torch.float16, g) for i in range(16)}
+    written = write_checkpoint(tmp_path_factory.mktemp("cachemodel"), tensors, shards=2)
+    upload(s3, written, "model")
+    return written
+
+
+def cfg(endpoint: str, cache_dir: Path | str, *, block_size: int = 48 * KiB, **cache: Any) -> StreamerConfig:
+    return StreamerConfig(
+        concurrency=2,
+        block_size=block_size,
+        s3=loopback_s3_config(endpoint, CREDENTIALS, concurrency=4),
+        cache=CacheConfig(dir=str(cache_dir), chunk_bytes=CHUNK, **cache),
+    )
+
+
+def load(source: Any, config: StreamerConfig) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    with streamer.open(source, config=config, order="checkpoint") as handle:
+        tensors = dict(iter(handle))
+        return tensors, handle.metrics
+
+
+def chunk_files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.glob("v1/*/*.chunk"))
+
+
+def chunks_of(written: Written) -> int:
+    return sum(-(-shard.stat().st_size // CHUNK) for shard in written.shards)
+
+
+def prefix(s3_server: str) -> str:
+    return f"s3://{BUCKET}/model/"
+
+
+def test_miss_then_hit_bit_exact_with_no_data_get(s3_server: str, model: Written, tmp_path: Path) -> None:
+    expected = reference_load(model.shards)
+    load(f"s3://{BUCKET}/model/{model.shards[0].name}", cfg(s3_server, tmp_path / "warm-up"))
+    threads, fds = thread_count(), fd_count()
+    got, first = load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert_same_dict(got, expected)
+    assert first["cache_errors"] == 0
+    assert first["requests"] - first["retries"] == chunks_of(model)  # each chunk once, blocks straddle
+    assert first["cache_write_bytes"] == sum(s.stat().st_size for s in model.shards)
+    assert first["cache_hit_bytes"] + first["cache_miss_bytes"] == first["bytes"]
+    assert len(chunk_files(tmp_path)) == chunks_of(model)
+    # Another layout (block size, whole-object reads) hits all the same.
+    got, second = load(prefix(s3_server), cfg(s3_server, tmp_path, block_size=100 * KiB))
+    assert_same_dict(got, expected)
+    assert second["requests"] == 0 and second["cache_miss_bytes"] == 0
+    assert second["cache_hit_bytes"] == second["bytes"] and second["cache_write_bytes"] == 0
+    until = time.monotonic() + 5  # moto's own handler threads finish their last response
+    while (thread_count() > threads or fd_count() > fds) and time.monotonic() < until:
+        time.sleep(0.05)
+    assert thread_count() <= threads and fd_count() <= fds  # fewer: a moto thread of the warm-up ended
+    assert not [t for t in threading.enumerate() if t.name.startswith("streamer-cache")]
+
+
+def test_partial_hits_some_files_some_chunks(s3_server: str, model: Written, tmp_path: Path) -> None:
+    expected = reference_load(model.shards)
+    one = f"s3://{BUCKET}/model/{model.shards[0].name}"
+    got, _ = load(one, cfg(s3_server, tmp_path))
+    assert_same_dict(got, reference_load(model.shards[:1]))
+    got, mixed = load(prefix(s3_server), cfg(s3_server, tmp_path))  # shard 0 cached, shard 1 not
+    assert_same_dict(got, expected)
+    assert mixed["requests"] - mixed["retries"] == -(-model.shards[1].stat().st_size // CHUNK)
+    assert mixed["cache_hit_bytes"] > 0 and mixed["cache_miss_bytes"] > 0
+    removed = chunk_files(tmp_path)[::3]
+    for path in removed:
+        path.unlink()
+    got, chunks = load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert_same_dict(got, expected)
+    assert chunks["requests"] - chunks["retries"] == len(removed) and chunks["cache_hit_bytes"] > 0
+    assert len(chunk_files(tmp_path)) == chunks_of(model)
+
+
+def test_replaced_object_is_a_miss(s3_server: str, s3: Any, tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(11)
+    key = "replaced/model.safetensors"
+    versions = []
+    for version in range(2):
+        tensors = {f"t{i}": random_tensor((30 * KiB,), torch.float32, g) for i in range(4)}
+        written = write_checkpoint(tmp_path / f"v{version}", tensors, index=False)
+        versions.append(written)
+    source = f"s3://{BUCKET}/{key}"
+    s3.upload_file(str(versions[0].shards[0]), BUCKET, key)
+    got, _ = load(source, cfg(s3_server, tmp_path / "cache"))
+    assert_same_dict(got, reference_load(versions[0].shards))
+    s3.upload_file(str(versions[1].shards[0]), BUCKET, key)  # same size, other bytes and ETag
+    got, metrics = load(source, cfg(s3_server, tmp_path / "cache"))
+    assert_same_dict(got, reference_load(versions[1].shards))
+    assert metrics["requests"] - metrics["retries"] == chunks_of(versions[1])  # every chunk fetched again
+
+
+def test_corrupted_chunk_is_refetched_and_rewritten(s3_server: str, model: Written, tmp_path: Path) -> None:
+    expected = reference_load(model.shards)
+    load(prefix(s3_server), cfg(s3_server, tmp_path))
+    victims = chunk_files(tmp_path)[2:4]
+    data = bytearray(victims[0].read_bytes())
+    data[len(data) // 2] ^= 0x40  # one bit of data
+    victims[0].write_bytes(bytes(data))
+    victims[1].write_bytes(victims[1].read_bytes()[:-100])  # a torn chunk
+    got, metrics = load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert_same_dict(got, expected)
+    assert metrics["cache_errors"] == 2 and metrics["requests"] - metrics["retries"] == 2
+    got, again = load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert_same_dict(got, expected)
+    assert again["cache_errors"] == 0 and again["requests"] == 0
+
+
+_LOADER = """
+import json, sys, time
+import streamer
+from streamer import CacheConfig, S3Config, StreamerConfig
+endpoint, cache_dir, source, start, key, secret, token, chunk = sys.argv[1:9]
+s3 = S3Config(endpoint_url=endpoint, region="us-east-1", addressing_style="path",
+              access_key_id=key, secret_access_key=secret, session_token=token, concurrency=4)
+config = StreamerConfig(concurrency=2, block_size=48 * 1024, s3=s3,
+                        cache=CacheConfig(dir=cache_dir, chunk_bytes=int(chunk)))
+while time.time() < float(start):
+    time.sleep(0.001)
+with streamer.open(source, config=config) as handle:
+    for _ in handle:
+        pass
+    print(json.dumps(handle.metrics))
+"""
+
+
+def loader(s3_server: str, cache_dir: Path, start: float) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _LOADER,
+            s3_server,
+            str(cache_dir),
+            prefix(s3_server),
+            str(start),
+            *CREDENTIALS,
+            str(CHUNK),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd="/",  # the installed package, not the source tree
+    )
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_processes_filling_at_once_fetch_each_chunk_once(
+    s3_server: str, model: Written, tmp_path: Path, processes: int
+) -> None:
+    start = time.time() + 3.0  # every process imported and connected by then
+    running = [loader(s3_server, tmp_path, start) for _ in range(processes)]
+    outputs = [p.communicate(timeout=120)[0] for p in running]
+    assert all(p.returncode == 0 for p in running)
+    metrics = [json.loads(out) for out in outputs]
+    # One GET per chunk over all processes (a retried GET counts as a request and a retry).
+    assert sum(m["requests"] - m["retries"] for m in metrics) == chunks_of(model)
+    assert sum(m["cache_write_bytes"] for m in metrics) == sum(s.stat().st_size for s in model.shards)
+    got, hit = load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert_same_dict(got, reference_load(model.shards))
+    assert hit["requests"] == 0
+
+
+def test_kill_during_fill_leaves_a_correct_cache(s3_server: str, model: Written, tmp_path: Path) -> None:
+    process = loader(s3_server, tmp_path, time.time())
+    until = time.monotonic() + 60
+    while not chunk_files(tmp_path) and time.monotonic() < until and process.poll() is None:
+        time.sleep(0.002)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()
+    ident = tmp_path / "v1" / os.listdir(tmp_path / "v1")[0]
+    (ident / "7.chunk.tmp.999999999.1").write_bytes(b"torn")  # a temporary file of a dead process
+    got, metrics = load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert_same_dict(got, reference_load(model.shards))
+    assert metrics["cache_errors"] == 0
+    assert not list(tmp_path.glob("v1/*/*.tmp.*"))  # cleaned when the cache was opened
+    assert len(chunk_files(tmp_path)) == chunks_of(model)
+
+
+def test_eviction_keeps_max_bytes(s3_server: str, model: Written, tmp_path: Path) -> None:
+    limit = 4 * CHUNK + 200
+    got, _ = load(prefix(s3_server), cfg(s3_server, tmp_path, max_bytes=limit))
+    assert_same_dict(got, reference_load(model.shards))
+    stored = chunk_files(tmp_path)
+    assert 0 < len(stored) <= 4
+    assert sum(p.stat().st_size for p in stored) <= limit
+    got, _ = load(prefix(s3_server), cfg(s3_server, tmp_path, max_bytes=limit))
+    assert_same_dict(got, reference_load(model.shards))
+    assert sum(p.stat().st_size for p in chunk_files(tmp_path)) <= limit
+
+
+def test_unwritable_directory_loads_with_one_warning(s3_server: str, model: Written) -> None:
+    # sysfs refuses new entries even to root (chmod would not stop root): EPERM on mkdir.
+    with pytest.warns(CacheWarning) as caught:
+        got, metrics = load(prefix(s3_server), cfg(s3_server, "/sys/streamer-cache"))
+    assert_same_dict(got, reference_load(model.shards))
+    assert len(caught) == 1 and metrics["cache_write_bytes"] == 0
+
+
+def test_full_disk_loads_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    """ENOSPC is injected at the cache's write call (no small file system without root)."""
+    writes = 0
+
+    def full(fd: int, data: Any) -> None:
+        nonlocal writes
+        writes += 1
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cache_store, "_write_all", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, metrics = load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert_same_dict(got, reference_load(model.shards))
+    assert [w.category for w in caught] == [CacheWarning] and "ENOSPC" in str(caught[0].message)
+    assert writes >= 1 and metrics["cache_write_bytes"] == 0
+    assert not chunk_files(tmp_path) and not list(tmp_path.glob("v1/*/*.tmp.*"))
+
+
+def test_cache_config_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert StreamerConfig().cache.dir is None
+    monkeypatch.setenv("STREAMER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("STREAMER_CACHE_MAX_BYTES", "3GiB")
+    cache = StreamerConfig().cache
+    assert cache.dir == str(tmp_path) and cache.max_bytes == 3 * 1024**3
+    with pytest.raises(streamer.ConfigError):
+        CacheConfig(dir=str(tmp_path), max_bytes=0)
+
+
+def test_vllm_plugin_cache_keys(tmp_path: Path) -> None:
+    from streamer_vllm.options import parse_options
+
+    options = parse_options({"cache_dir": str(tmp_path), "cache_max_bytes": "2GiB"})
+    assert options.config.cache == CacheConfig(dir=str(tmp_path), max_bytes=2 * 1024**3)
+    assert parse_options({}).config.cache.dir is None
+    with pytest.raises(streamer.ConfigError):
+        parse_options({"cache_max_bytes": 0})
