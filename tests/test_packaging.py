@@ -103,6 +103,23 @@ def test_s3_source_without_the_extra_names_the_pip_command(missing: str) -> None
     assert (result["context"], result["cause"]) == ("None", "None")
 
 
+def test_cache_without_xxhash_names_the_pip_command(tmp_path: Path) -> None:
+    code = BLOCK_S3.replace(repr(S3_MODULES), repr(("xxhash",))) + (
+        "import streamer\n"
+        "config = streamer.StreamerConfig(s3=streamer.S3Config(endpoint_url='http://127.0.0.1:9'),\n"
+        f"                                cache=streamer.CacheConfig(dir={str(tmp_path)!r}))\n"
+        "try:\n"
+        "    streamer.load('s3://bucket/model.safetensors', config=config)\n"
+        "except Exception as exc:\n"
+        "    print(json.dumps({'type': type(exc).__name__, 'message': str(exc),\n"
+        "                      'context': repr(exc.__context__), 'cause': repr(exc.__cause__)}))\n"
+    )
+    result = run_python(code)
+    assert result["type"] == "ConfigError"
+    assert "pip install 'streamer-weights[s3]'" in result["message"] and "xxhash" in result["message"]
+    assert (result["context"], result["cause"]) == ("None", "None")
+
+
 def test_import_and_local_loads_need_no_s3_modules(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
     from safetensors.torch import save_file

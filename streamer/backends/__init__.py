@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from streamer.backends.base import Storage
 from streamer.backends.local import LocalStorage
+from streamer.backends.optional import require_cache
 from streamer.config import StreamerConfig
 from streamer.errors import SourceError
 from streamer.sources import SourceLike, uri_scheme
@@ -24,6 +25,7 @@ def _s3(config: StreamerConfig) -> Storage:
     storage = S3Storage(config.s3)
     if config.cache.dir is None:
         return storage
+    require_cache()
     from streamer.backends.cache.storage import CachedS3Storage  # xxhash only when a cache is on
 
     return CachedS3Storage(storage, config.cache, config.s3.endpoint_url)

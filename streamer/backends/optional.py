@@ -26,3 +26,14 @@ def require_s3() -> None:
     else:
         return
     raise ConfigError(f"reading s3:// sources needs the S3 extra ({missing!r} does not import): {S3_INSTALL}")
+
+
+def require_cache() -> None:
+    """The cache checksums every block with xxhash (in the ``[s3]`` extra); ``ConfigError`` without it."""
+    try:
+        importlib.import_module("xxhash")
+    except ImportError:
+        pass  # raised below, outside the handler, so the error carries no import traceback
+    else:
+        return
+    raise ConfigError(f"the local cache (StreamerConfig.cache) needs 'xxhash': {S3_INSTALL}")
