@@ -177,18 +177,25 @@ class Streamer:
         if self._group is None:
             raise ConfigError("group_read needs a handle opened with group=")
         self._stop()
+        exchange = self._new_exchange(refs, self._group, ordered=False)
+        got = dict(exchange.results())
+        return [got[ref.entry.name] for ref in refs]
+
+    def _new_exchange(
+        self, refs: Sequence[TensorRef], group: dist.ProcessGroup, *, ordered: bool
+    ) -> GroupExchange:
+        """A group run of ``refs`` into new tensors; the handle's current read from now on."""
         exchange = GroupExchange(
             self._checkpoint,
             self._storage,
             refs,
-            self._group,
+            group,
             self.config,
             functools.partial(_new_tensor, refs, self.device),
-            ordered=False,
+            ordered=ordered,
         )
         self._run, self._exchange = None, exchange
-        got = dict(exchange.results())
-        return [got[ref.entry.name] for ref in refs]
+        return exchange
 
     def rows(self, name: str, start: int, stop: int) -> TensorRef:
         """Rows ``start:stop`` (along the first dimension) of a tensor, as a ref of their own for
@@ -247,17 +254,7 @@ class Streamer:
         refs = list(self._checkpoint.refs())
         ordered = self._order == "checkpoint"
         if self._group is not None:
-            exchange = GroupExchange(
-                self._checkpoint,
-                self._storage,
-                refs,
-                self._group,
-                self.config,
-                functools.partial(_new_tensor, refs, self.device),
-                ordered=ordered,
-            )
-            iteration = _Iteration(exchange.results())
-            self._run, self._exchange = None, exchange
+            iteration = _Iteration(self._new_exchange(refs, self._group, ordered=ordered).results())
         else:
             run = self._new_run(refs, ordered=ordered, keep_all=keep_all)
             iteration = _Iteration(run.results())
