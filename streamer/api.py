@@ -279,7 +279,9 @@ class Streamer:
             )
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
-        staged = functools.partial(StagedSink, staging, self.config)
+        staged = functools.partial(
+            StagedSink, staging, self.config, request_bytes=self._storage.read_cost.request_bytes
+        )
         return Run(self._checkpoint, refs, self.config, staged, ordered=ordered, storage=self._storage)
 
     def _stop(self) -> None:
@@ -492,6 +494,6 @@ def _fill(
     refs = [checkpoint.tensors[name] for name in dest if checkpoint.tensors[name].entry.nbytes > 0]
     engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
     staging = Staging(device, engine, functools.partial(ExistingTensors, dest), rings)
-    staged = functools.partial(StagedSink, staging, config)
+    staged = functools.partial(StagedSink, staging, config, request_bytes=storage.read_cost.request_bytes)
     for _ in Run(checkpoint, refs, config, staged, ordered=False, storage=storage).results():
         pass

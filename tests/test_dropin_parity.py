@@ -35,6 +35,7 @@ from conftest import (
     s3_client,
     write_raw,
 )
+from copy_standin import StandIn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -381,6 +382,21 @@ def test_a_column_slice_reads_no_more_than_its_covering_rows(large: tuple[Path, 
         column = handle.get_slice("weight")[:, -1]
         assert_same(column, weight[:, -1])
         assert handle.handle.metrics["bytes_read"] <= weight.nbytes + 8 * KiB
+
+
+def test_a_column_shard_through_the_device_ring_reads_its_strided_ranges(
+    large: tuple[Path, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged (GPU) path, with the CPU stand-in copy engine as the device: a 1/8 column shard
+    of 32 KiB rows reads its runs, not the rows that cover them, as the CPU path does."""
+    StandIn(monkeypatch)
+    path, weight = large
+    with streamer.safe_open(path, config=config(block_size=64 * KiB, memory_limit=MiB)) as handle:
+        width = weight.shape[1] // 8
+        got = handle.get_slice("weight")[:, 3 * width : 4 * width]
+        assert_same(got, weight[:, 3 * width : 4 * width])
+        # Each 4 KiB run reads at most its two aligned pages: a quarter, not the whole weight.
+        assert weight.nbytes // 8 <= handle.handle.metrics["bytes_read"] <= weight.nbytes // 4 + 8 * KiB
 
 
 def test_slices_far_apart_are_read_run_by_run(tmp_path: Path) -> None:

@@ -50,7 +50,13 @@ class StagedSink:
     starts and given back on ``close()``."""
 
     def __init__(
-        self, staging: Staging, config: StreamerConfig, selection: Selection, metrics: LoadMetrics
+        self,
+        staging: Staging,
+        config: StreamerConfig,
+        selection: Selection,
+        metrics: LoadMetrics,
+        *,
+        request_bytes: int,
     ) -> None:
         self._config = config
         self._device = staging.device
@@ -62,7 +68,9 @@ class StagedSink:
         self._index = {position: index for index, position in enumerate(self._position)}
         spans = [Span(u.file, u.begin, u.end) for u in selection.units()]
         self._spans = spans
-        self._regions = group_spans(spans, max_gap=max(config.block_size, 2 * DIRECT_IO_ALIGNMENT))
+        # A gap shorter than one more request of this storage is read through (slicing.plan's rule);
+        # regions stay two aligned pages apart so no two pieces read the same page.
+        self._regions = group_spans(spans, max_gap=max(request_bytes, 2 * DIRECT_IO_ALIGNMENT))
         layout = Layout([r.entry.name for r in self._loaded], spans, self._regions)
         self._destination: Destination | None = staging.destination_for(layout)
         self.metrics = metrics
