@@ -85,18 +85,26 @@ sys.meta_path.insert(0, Absent())
 """
 
 
-@pytest.mark.parametrize("missing", S3_MODULES)
-def test_s3_source_without_the_extra_names_the_pip_command(missing: str) -> None:
-    code = BLOCK_S3.replace(repr(S3_MODULES), repr((missing,))) + (
+def s3_load_error(missing: tuple[str, ...], config: str) -> dict[str, str]:
+    """The error of an ``s3://`` load with ``config`` (Python source) while ``missing`` cannot import."""
+    code = BLOCK_S3.replace(repr(S3_MODULES), repr(missing)) + (
         "import streamer\n"
-        "config = streamer.StreamerConfig(s3=streamer.S3Config(endpoint_url='http://127.0.0.1:9'))\n"
+        f"config = {config}\n"
         "try:\n"
         "    streamer.load('s3://bucket/model.safetensors', config=config)\n"
         "except Exception as exc:\n"
         "    print(json.dumps({'type': type(exc).__name__, 'message': str(exc),\n"
         "                      'context': repr(exc.__context__), 'cause': repr(exc.__cause__)}))\n"
     )
-    result = run_python(code)
+    return run_python(code)
+
+
+ENDPOINT = "s3=streamer.S3Config(endpoint_url='http://127.0.0.1:9')"
+
+
+@pytest.mark.parametrize("missing", S3_MODULES)
+def test_s3_source_without_the_extra_names_the_pip_command(missing: str) -> None:
+    result = s3_load_error((missing,), f"streamer.StreamerConfig({ENDPOINT})")
     assert result["type"] == "ConfigError"
     assert "pip install 'streamer-weights[s3]'" in result["message"]
     assert repr(missing) in result["message"]
@@ -104,17 +112,8 @@ def test_s3_source_without_the_extra_names_the_pip_command(missing: str) -> None
 
 
 def test_cache_without_xxhash_names_the_pip_command(tmp_path: Path) -> None:
-    code = BLOCK_S3.replace(repr(S3_MODULES), repr(("xxhash",))) + (
-        "import streamer\n"
-        "config = streamer.StreamerConfig(s3=streamer.S3Config(endpoint_url='http://127.0.0.1:9'),\n"
-        f"                                cache=streamer.CacheConfig(dir={str(tmp_path)!r}))\n"
-        "try:\n"
-        "    streamer.load('s3://bucket/model.safetensors', config=config)\n"
-        "except Exception as exc:\n"
-        "    print(json.dumps({'type': type(exc).__name__, 'message': str(exc),\n"
-        "                      'context': repr(exc.__context__), 'cause': repr(exc.__cause__)}))\n"
-    )
-    result = run_python(code)
+    cache = f"streamer.CacheConfig(dir={str(tmp_path)!r})"
+    result = s3_load_error(("xxhash",), f"streamer.StreamerConfig({ENDPOINT}, cache={cache})")
     assert result["type"] == "ConfigError"
     assert "pip install 'streamer-weights[s3]'" in result["message"] and "xxhash" in result["message"]
     assert (result["context"], result["cause"]) == ("None", "None")
