@@ -9,13 +9,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from streamer.engine import native
 
 HEADER = native._header_path()
 STRUCTS = {
-    "se_unit": ["file", "begin", "end"],
+    "se_unit": ["file", "begin", "end", "need"],
     "se_block": [
         "file", "first_unit", "last_unit", "acc_begin", "acc_end", "read_offset", "read_length", "dst"
     ],
@@ -112,3 +113,33 @@ def test_header_constants_parse(line: str) -> None:
 def test_a_header_constant_the_binding_cannot_read_is_an_error(line: str) -> None:
     with pytest.raises(ImportError, match="cannot read the constant"):
         native._parse_header(line + "\n")
+
+
+def test_a_block_array_is_an_se_block_array() -> None:
+    """What the engine reads through ``ffi.from_buffer`` is the blocks given, field by field; indexing,
+    iterating and rebasing give the same blocks as tuples."""
+    blocks = native.BlockArray.build(
+        file=3,
+        unit=7,
+        acc_begin=np.array([100, 9000]),
+        acc_end=np.array([200, 9500]),
+        read_offset=np.array([0, 8192]),
+        read_length=np.array([4096, 4096]),
+        dst=np.array([0, 4096]),
+    )
+    expected = [
+        native.Block(3, 7, 7, 100, 200, 0, 4096, 0),
+        native.Block(3, 7, 7, 9000, 9500, 8192, 4096, 4096),
+    ]
+    assert list(blocks) == expected and blocks[1] == expected[1] and list(blocks[1:]) == expected[1:]
+    rebased = blocks.rebased(1 << 40)
+    assert [b.dst for b in rebased] == [1 << 40, (1 << 40) + 4096] and [b.dst for b in blocks] == [0, 4096]
+    seen = native.ffi.cast("se_block *", native.ffi.from_buffer(rebased.table))
+    for i, block in enumerate(expected):
+        entry = seen[i]
+        got = (entry.file, entry.first_unit, entry.last_unit, entry.acc_begin, entry.acc_end)
+        assert got == block[:5]
+        assert (entry.read_offset, entry.read_length) == (block.read_offset, block.read_length)
+        assert int(native.ffi.cast("uintptr_t", entry.dst)) == (1 << 40) + block.dst
+    with pytest.raises(ValueError, match="BLOCK_DTYPE"):
+        native.BlockArray(np.zeros(2, dtype=np.int64))

@@ -61,7 +61,7 @@ class PeerSink:
     def submit_what_fits(self, submit: Submit) -> bool:
         if not self.queued:
             self.queued = True
-            for unit, (file, begin, end) in enumerate(self.units):
+            for unit, (file, begin, end, _need) in enumerate(self.units):
                 buffer = torch.empty(end - begin, dtype=torch.uint8)
                 self.buffers[self.own[unit]] = buffer
                 self.in_flight += 1

@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped on every change to a struct layout, a signature or a constant below. The binding
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
-#define SE_ABI_VERSION 3
+#define SE_ABI_VERSION 4
 
 /* Status codes: 0 is success, every failure is negative. */
 #define SE_OK 0
@@ -41,11 +41,16 @@ extern "C" {
 #define SE_ERR_THREAD (-7)    /* a worker thread could not be started */
 #define SE_ERR_EXTERNAL (-8)  /* an external reader failed (se_engine_fail); it knows why */
 
-/* A unit completes once every byte of [begin, end) of its file has been read. */
+/*
+ * A unit completes once `need` bytes of [begin, end) of its file have been credited: all of them
+ * (need 0, a tensor), or only the scattered ranges its blocks cover (a sliced tensor read as many
+ * ranges: need is their total). Blocks must never credit the same byte of a unit twice.
+ */
 typedef struct se_unit {
     int32_t file;   /* index returned by se_engine_add_file() */
     uint64_t begin; /* absolute file offset, inclusive */
     uint64_t end;   /* absolute file offset, exclusive; end > begin */
+    uint64_t need;  /* bytes to credit, 0 < need <= end - begin; 0: end - begin */
 } se_unit;
 
 /*
@@ -53,7 +58,9 @@ typedef struct se_unit {
  * [acc_begin, acc_end) (inside the read range) is credited to the units
  * first_unit..last_unit that it overlaps. A read may end early only at end of
  * file, and only after acc_end: for O_DIRECT files the planner rounds reads out
- * to the alignment, which can run past EOF.
+ * to the alignment, which can run past EOF. A file read buffered needs no
+ * alignment: only its credited part is read (into dst + acc_begin - read_offset),
+ * the rest of dst is left as it was.
  */
 typedef struct se_block {
     int32_t file;

@@ -15,7 +15,8 @@
 #include <unistd.h>
 
 typedef struct se_file {
-    int fd; /* -1: an external file, read by someone else */
+    int fd;     /* -1: an external file, read by someone else */
+    int direct; /* opened with O_DIRECT: reads keep their alignment padding */
 } se_file;
 
 struct se_engine {
@@ -114,6 +115,13 @@ static void credit_units(se_engine *e, const se_block *b) {
     pthread_cond_broadcast(&e->done_ready);
 }
 
+/* A buffered read needs no alignment: it reads only the credited bytes, into their place in dst. */
+static void trim_to_credited(se_block *b) {
+    b->dst = (char *)b->dst + (b->acc_begin - b->read_offset);
+    b->read_length = b->acc_end - b->acc_begin;
+    b->read_offset = b->acc_begin;
+}
+
 static void *worker_main(void *arg) {
     se_engine *e = (se_engine *)arg;
     pthread_mutex_lock(&e->lock);
@@ -128,6 +136,9 @@ static void *worker_main(void *arg) {
         }
         se_block block = e->queue[e->queue_head++];
         int fd = e->files[block.file].fd; /* add_file may move the table once unlocked */
+        if (!e->files[block.file].direct) {
+            trim_to_credited(&block);
+        }
         pthread_mutex_unlock(&e->lock);
 
         uint64_t got = 0;
@@ -234,13 +245,14 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
         return NULL;
     }
     for (uint32_t i = 0; i < n_units; i++) {
-        if (units[i].end <= units[i].begin || units[i].file < 0) {
+        if (units[i].end <= units[i].begin || units[i].file < 0 ||
+            units[i].need > units[i].end - units[i].begin) {
             free_engine(e);
             *status = SE_ERR_INVALID;
             return NULL;
         }
         e->units[i] = units[i];
-        e->remaining[i] = units[i].end - units[i].begin;
+        e->remaining[i] = units[i].need != 0 ? units[i].need : units[i].end - units[i].begin;
     }
     if (!init_sync(e)) {
         free_engine(e);
@@ -263,7 +275,7 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
 }
 
 /* Appends a file entry; returns its index or SE_ERR_NOMEM (fd is not closed on failure). */
-static int32_t append_file(se_engine *e, int fd) {
+static int32_t append_file(se_engine *e, int fd, int direct) {
     pthread_mutex_lock(&e->lock);
     if (e->n_files == e->files_capacity) {
         int32_t capacity = e->files_capacity ? e->files_capacity * 2 : 8;
@@ -277,6 +289,7 @@ static int32_t append_file(se_engine *e, int fd) {
     }
     int32_t index = e->n_files++;
     e->files[index].fd = fd;
+    e->files[index].direct = direct;
     pthread_mutex_unlock(&e->lock);
     return index;
 }
@@ -297,7 +310,7 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
         *sys_errno = errno;
         return SE_ERR_OPEN;
     }
-    int32_t index = append_file(e, fd);
+    int32_t index = append_file(e, fd, *is_direct);
     if (index < 0) {
         close(fd);
     }
@@ -305,7 +318,7 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
 }
 
 int32_t se_engine_add_external_file(se_engine *e) {
-    return append_file(e, -1);
+    return append_file(e, -1, 0);
 }
 
 /* Caller holds the lock. external: the block must be of an external file (else of a local one). */

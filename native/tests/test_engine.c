@@ -239,7 +239,7 @@ static uint32_t make_units(se_unit *units, uint32_t cap, int32_t file, uint64_t 
         default: len = 1 + rng_next(rng) % (3 * MIB); break;
         }
         uint64_t end = min_u64(pos + len, size);
-        se_unit u = {file, pos, end};
+        se_unit u = {file, pos, end, 0};
         units[n++] = u;
         pos = end;
     }
@@ -383,7 +383,7 @@ static void test_straddling_blocks(void) {
     unsigned char *data = random_bytes(size, 3);
     temp_file f;
     temp_create(&f, data, size);
-    const se_unit units[3] = {{0, 0, 1000}, {0, 1000, 1300}, {0, 1300, 4000}};
+    const se_unit units[3] = {{0, 0, 1000, 0}, {0, 1000, 1300, 0}, {0, 1300, 4000, 0}};
     unsigned char *dst = malloc(size);
     CHECK(dst != NULL);
 
@@ -426,6 +426,78 @@ static void test_straddling_blocks(void) {
     free(data);
 }
 
+/*
+ * A sparse unit (need < end - begin) completes once its scattered ranges are read, whatever the
+ * order; blocks may read a gathered layout (dst not at the file offset). need beyond the unit's
+ * range is refused.
+ */
+static void test_sparse_unit(void) {
+    const uint64_t size = 64 * KIB;
+    unsigned char *data = random_bytes(size, 21);
+    temp_file f;
+    temp_create(&f, data, size);
+    /* Unit 0: bytes [1000, 1500) and [40000, 40700) of [1000, 40700); unit 1 whole after it. */
+    const se_unit units[2] = {{0, 1000, 40700, 500 + 700}, {0, 50000, 60000, 0}};
+    unsigned char gathered[1200 + 10000];
+    const se_block blocks[3] = {
+        {0, 0, 0, 1000, 1500, 1000, 500, gathered},
+        {0, 0, 0, 40000, 40700, 40000, 700, gathered + 500},
+        {0, 1, 1, 50000, 60000, 50000, 10000, gathered + 1200},
+    };
+    for (int first = 0; first < 2; first++) {
+        memset(gathered, 0, sizeof(gathered));
+        se_engine *e = engine_new(2, units, 2);
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+        CHECK_EQ(se_engine_submit(e, &blocks[first], 1), SE_OK);
+        CHECK_EQ(se_engine_submit(e, &blocks[2], 1), SE_OK);
+        uint8_t seen[2] = {0, 0};
+        collect(e, seen, 2, 1, 4);
+        wait_blocks_done(e, 2);
+        expect_quiet(e, 50);
+        CHECK_EQ(seen[0], 0); /* half of unit 0's ranges read: not complete */
+        CHECK_EQ(se_engine_submit(e, &blocks[1 - first], 1), SE_OK);
+        collect(e, seen, 2, 1, 4);
+        CHECK(seen[0] && seen[1]);
+        se_engine_destroy(e);
+        CHECK(memcmp(gathered, data + 1000, 500) == 0);
+        CHECK(memcmp(gathered + 500, data + 40000, 700) == 0);
+        CHECK(memcmp(gathered + 1200, data + 50000, 10000) == 0);
+    }
+    const se_unit too_much[1] = {{0, 0, 4096, 4097}};
+    int32_t status = SE_OK;
+    CHECK(se_engine_create(1, too_much, 1, &status) == NULL);
+    CHECK_EQ(status, SE_ERR_INVALID);
+    temp_remove(&f);
+    free(data);
+}
+
+/* A buffered file reads only a block's credited bytes (padding is O_DIRECT's); bytes_read counts them. */
+static void test_buffered_reads_credited_only(void) {
+    const uint64_t size = 16 * KIB;
+    unsigned char *data = random_bytes(size, 22);
+    temp_file f;
+    temp_create(&f, data, size);
+    const se_unit units[1] = {{0, 5000, 6000, 0}};
+    unsigned char dst[8192];
+    memset(dst, 0xAB, sizeof(dst));
+    const se_block block = {0, 0, 0, 5000, 6000, 4096, 8192, dst}; /* read range rounded out to 4 KiB */
+    se_engine *e = engine_new(1, units, 1);
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+    CHECK_EQ(se_engine_submit(e, &block, 1), SE_OK);
+    uint8_t seen[1] = {0};
+    collect(e, seen, 1, 1, 4);
+    se_stats stats;
+    se_engine_stats(e, &stats);
+    CHECK_EQ(stats.bytes_read, 1000);
+    se_engine_destroy(e);
+    CHECK(memcmp(dst + 904, data + 5000, 1000) == 0);
+    for (size_t i = 0; i < sizeof(dst); i++) {
+        CHECK(i >= 904 && i < 1904 ? 1 : dst[i] == 0xAB);
+    }
+    temp_remove(&f);
+    free(data);
+}
+
 /* 3. O_DIRECT: aligned reads into se_alloc memory; the last read runs past EOF. */
 static void test_direct_io(void) {
     const uint64_t size = 3 * 4096 + 100;
@@ -433,7 +505,7 @@ static void test_direct_io(void) {
     temp_file f;
     temp_create(&f, data, size);
     CHECK(fsync(f.fd) == 0);
-    const se_unit units[2] = {{0, 5000, 9000}, {0, 9000, size}};
+    const se_unit units[2] = {{0, 5000, 9000, 0}, {0, 9000, size, 0}};
     const size_t dst_size = 4 * 4096;
     unsigned char *dst = se_alloc(dst_size, 0);
     CHECK(dst != NULL);
@@ -463,7 +535,7 @@ static void test_direct_io(void) {
 
     /* A direct read whose credited range passes EOF is truncated. */
     {
-        const se_unit past[1] = {{0, 8192, size + 1}};
+        const se_unit past[1] = {{0, 8192, size + 1, 0}};
         se_engine *e = engine_new(2, past, 1);
         CHECK_EQ(engine_add(e, f.path, 1, NULL), 0);
         const se_block block = {0, 0, 0, 8192, size + 1, 8192, 8192, dst + 8192};
@@ -502,7 +574,7 @@ static void test_truncated_file(void) {
     const uint64_t ends[2] = {12288, 24096};
     const uint64_t gots[2] = {size - 8192, 0};
     for (int c = 0; c < 2; c++) {
-        const se_unit units[2] = {{1, 0, 4096}, {1, begins[c], ends[c]}};
+        const se_unit units[2] = {{1, 0, 4096, 0}, {1, begins[c], ends[c], 0}};
         se_engine *e = engine_new(2, units, 2);
         CHECK_EQ(engine_add(e, other.path, 0, NULL), 0);
         CHECK_EQ(engine_add(e, f.path, 0, NULL), 1);
@@ -547,7 +619,7 @@ static void test_file_shrinks_between_batches(void) {
     temp_create(&f, data, size);
     unsigned char *dst = malloc(size);
     CHECK(dst != NULL);
-    const se_unit units[2] = {{0, 0, 32 * KIB}, {0, 32 * KIB, size}};
+    const se_unit units[2] = {{0, 0, 32 * KIB, 0}, {0, 32 * KIB, size, 0}};
 
     se_engine *e = engine_new(3, units, 2);
     CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
@@ -587,7 +659,7 @@ static void test_invalid_arguments(void) {
     temp_create(&f, data, size);
     unsigned char *dst = malloc(size);
     CHECK(dst != NULL);
-    const se_unit units[2] = {{0, 0, 4096}, {0, 4096, size}};
+    const se_unit units[2] = {{0, 0, 4096, 0}, {0, 4096, size, 0}};
     se_engine *e = engine_new(2, units, 2);
 
     char missing[4200];
@@ -672,7 +744,7 @@ static void test_cancel(void) {
     se_block *blocks = malloc(n_units * sizeof(*blocks));
     CHECK(dst != NULL && units != NULL && blocks != NULL);
     for (uint32_t u = 0; u < n_units; u++) {
-        se_unit unit = {0, u * block, (u + 1) * block};
+        se_unit unit = {0, u * block, (u + 1) * block, 0};
         units[u] = unit;
         blocks[u] = plain_block(0, u, u, unit.begin, unit.end, dst);
     }
@@ -726,7 +798,7 @@ static void test_create_destroy(void) {
     se_block *blocks = malloc(n_units * sizeof(*blocks));
     CHECK(dst != NULL && units != NULL && blocks != NULL);
     for (uint32_t u = 0; u < n_units; u++) {
-        se_unit unit = {0, u * block, (u + 1) * block};
+        se_unit unit = {0, u * block, (u + 1) * block, 0};
         units[u] = unit;
         blocks[u] = plain_block(0, u, u, unit.begin, unit.end, dst);
     }
@@ -743,7 +815,7 @@ static void test_create_destroy(void) {
     int32_t status = 12345;
     CHECK(se_engine_create(0, units, n_units, &status) == NULL);
     CHECK_EQ(status, SE_ERR_INVALID);
-    const se_unit empty[1] = {{0, 100, 100}}; /* end must be > begin */
+    const se_unit empty[1] = {{0, 100, 100, 0}}; /* end must be > begin */
     status = 12345;
     CHECK(se_engine_create(2, empty, 1, &status) == NULL);
     CHECK_EQ(status, SE_ERR_INVALID);
@@ -932,7 +1004,7 @@ static void test_stats(void) {
     temp_create(&f, data, size);
     unsigned char *dst = malloc(size);
     CHECK(dst != NULL);
-    const se_unit units[3] = {{0, 0, 1000}, {0, 1000, 700000}, {0, 700000, size}};
+    const se_unit units[3] = {{0, 0, 1000, 0}, {0, 1000, 700000, 0}, {0, 700000, size, 0}};
     se_block blocks[32];
 
     se_engine *e = engine_new(3, units, 3);
@@ -978,7 +1050,7 @@ static void test_stress(void) {
     se_block *blocks = malloc((size / 3000 + 2) * sizeof(*blocks));
     CHECK(dst != NULL && units != NULL && blocks != NULL);
     for (uint32_t u = 0; u < n_units; u++) {
-        se_unit unit = {0, u * (size / n_units), (u + 1) * (size / n_units)};
+        se_unit unit = {0, u * (size / n_units), (u + 1) * (size / n_units), 0};
         units[u] = unit;
     }
     size_t n_blocks = plan_blocks(units, 0, n_units, size, 3000, 0, dst, blocks);
@@ -1027,7 +1099,7 @@ static void test_add_files_while_reading(void) {
     for (uint32_t u = 0; u < n_units; u++) {
         int32_t file = (int32_t)(u / per_file);
         uint64_t begin = (u % per_file) * block;
-        se_unit unit = {file, begin, begin + block};
+        se_unit unit = {file, begin, begin + block, 0};
         units[u] = unit;
         blocks[u] = plain_block(file, u, u, begin, begin + block, dst + (uint64_t)file * size);
     }
@@ -1177,6 +1249,8 @@ static void test_external_files(void) {
 int main(void) {
     RUN(test_read_many_units);
     RUN(test_straddling_blocks);
+    RUN(test_sparse_unit);
+    RUN(test_buffered_reads_credited_only);
     RUN(test_direct_io);
     RUN(test_truncated_file);
     RUN(test_file_shrinks_between_batches);

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,9 @@ from typing import Any
 import cffi
 
 # Re-exported: the runs build their work items as native.Block / native.Unit.
+from streamer.engine.blocks import BLOCK_DTYPE
 from streamer.engine.blocks import Block as Block
+from streamer.engine.blocks import BlockArray as BlockArray
 from streamer.engine.blocks import Unit as Unit
 
 _HEADER_NAME = "streamer_engine.h"
@@ -75,6 +77,11 @@ ERR_EXTERNAL = _CONSTANTS["SE_ERR_EXTERNAL"]
 
 ffi = cffi.FFI()
 ffi.cdef(_DECLARATIONS)
+_BLOCK_FIELDS: Mapping[str, tuple[Any, ...]] = BLOCK_DTYPE.fields or {}
+if ffi.sizeof("se_block") != BLOCK_DTYPE.itemsize or any(
+    ffi.offsetof("se_block", name) != _BLOCK_FIELDS[name][1] for name in Block._fields
+):
+    raise ImportError(f"{_HEADER_NAME}: se_block's layout differs from streamer.engine.blocks.BLOCK_DTYPE")
 
 
 @functools.cache
@@ -147,6 +154,7 @@ class Engine:
             table[i].file = unit.file
             table[i].begin = unit.begin
             table[i].end = unit.end
+            table[i].need = unit.need
         status = ffi.new("int32_t *")
         handle = lib.se_engine_create(n_workers, table, len(units), status)
         if handle == ffi.NULL:
@@ -205,9 +213,12 @@ class Engine:
     def submit(self, blocks: Sequence[Block]) -> None:
         if not blocks:
             return
-        array = ffi.new("se_block[]", len(blocks))
-        for i, block in enumerate(blocks):
-            _fill_block(array[i], block)
+        if isinstance(blocks, BlockArray):
+            array = ffi.cast("se_block *", ffi.from_buffer(blocks.table))
+        else:
+            array = ffi.new("se_block[]", len(blocks))
+            for i, block in enumerate(blocks):
+                _fill_block(array[i], block)
         status = self._lib.se_engine_submit(self._handle, array, len(blocks))
         if status != OK:
             self._raise_failure(status)
