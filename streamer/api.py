@@ -28,7 +28,9 @@ from streamer.group.exchange import GroupExchange
 from streamer.progress import ByteProgress
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
+from streamer.run.packed import PackedSink
 from streamer.run.staged import StagedSink, Staging
+from streamer.slicing import Packing
 from streamer.sources import SourceLike
 
 Order = Literal["completion", "checkpoint"]
@@ -155,20 +157,33 @@ class Streamer:
 
     @property
     def read_cost(self) -> ReadCost:
-        """What one more read request costs this handle's storage (how ``get_slice`` plans)."""
+        """What one more read request costs this handle's storage."""
         return self._storage.read_cost
+
+    def read_cost_of(self, ref: TensorRef) -> ReadCost:
+        """What one more read request costs reading ``ref`` now (how ``get_slice`` plans): local
+        bytes in the page cache cost less per request than bytes on the device."""
+        return self._storage.read_cost_of(self._checkpoint.files[ref.file], (ref.entry.begin, ref.entry.end))
 
     def read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """The tensors of ``refs``, in the order given, from one run that keeps them all.
 
-        A ref may be a byte range of one of this checkpoint's tensors under a name of its own:
-        the reads ``streamer.safe_open(...).get_slice`` makes, so they go through the same
-        readers (local or S3) and ``metrics`` count them.
+        A ref may be a byte range of one of this checkpoint's tensors under a name of its own
+        (``rows``).
         """
         run = self._new_run(refs, ordered=False, keep_all=True)
         self._run, self._exchange = run, None
         got = dict(run.results())
         return [got[ref.entry.name] for ref in refs]
+
+    def read_packed(self, ref: TensorRef, packing: Packing) -> torch.Tensor:
+        """The ranges of ``ref``'s tensor that ``packing`` lays out, back to back in one CPU buffer
+        (uint8), read by one run of the handle's storage: how ``get_slice`` reads a shard."""
+        sink = functools.partial(PackedSink, packing, hugepages=self.config.hugepages)
+        run = Run(self._checkpoint, [ref], self.config, sink, ordered=False, storage=self._storage)
+        self._run, self._exchange = run, None
+        ((_, buffer),) = run.results()
+        return buffer
 
     def group_read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """``read`` with the handle's group: every rank calls it, each with the refs it wants

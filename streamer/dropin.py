@@ -18,9 +18,9 @@ import torch
 from streamer import slicing
 from streamer.api import Streamer, check_backend
 from streamer.checkpoint import TensorRef
-from streamer.config import StreamerConfig
+from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.destinations.cpu import MemoryBudget, allocate_buffer
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
-from streamer.format.dtypes import DTYPES
 from streamer.format.safetensors import TensorEntry
 from streamer.sources import SourceLike
 
@@ -164,21 +164,20 @@ class TensorSlice:
             layout,
             base=entry.begin,
             itemsize=itemsize,
-            request_bytes=self._handle.read_cost.request_bytes,
+            request_bytes=self._handle.read_cost_of(self._ref).request_bytes,
         )
-        pieces = self._read([self._piece(b, e) for b, e in plan.ranges])
-        if len(pieces) == 1:
-            (flat,) = pieces
-            if flat.data_ptr() % itemsize:
-                flat = flat.clone()  # a file that does not align its tensors (safetensors' files do)
-            flat = flat.view(_BITS[itemsize])  # torch copies every integer dtype, not every float8
-            first = (entry.begin - plan.ranges[0][0]) // itemsize + layout.offset
-            view = flat.as_strided(layout.shape, layout.stride, flat.storage_offset() + first)
-            if view.numel() == flat.numel():
-                return flat.view(layout.shape).view(dtype)  # the selection is the range read: no copy
-            # A copy lets the covering bytes go (a shard must not pin the whole weight).
-            return view.clone(memory_format=torch.contiguous_format).view(dtype)
-        return _gather(plan, pieces).view(dtype).view(layout.shape)
+        packing = slicing.packing(
+            plan, alignment=DIRECT_IO_ALIGNMENT, block_size=self._handle.config.block_size
+        )
+        packed = self._read_packed(packing)
+        if len(plan.range_table) == 1:
+            selected = _from_range(
+                plan, packing, packed, layout, entry, hugepages=self._handle.config.hugepages
+            )
+        else:
+            gathered = _gather(plan, packing, packed, hugepages=self._handle.config.hugepages)
+            selected = gathered.view(dtype).view(layout.shape)
+        return selected.to(self._handle.device)
 
     def _read(self, refs: list[TensorRef]) -> list[torch.Tensor]:
         """One run; once the ``safe_open`` is closed, what the run reopened (an S3 client) is closed again."""
@@ -188,37 +187,64 @@ class TensorSlice:
             if self._owner.closed:
                 self._handle.close()
 
-    def _piece(self, begin: int, end: int) -> TensorRef:
-        """Bytes ``[begin, end)`` of this tensor as a 1-d uint8 tensor, named for errors."""
-        entry = self._entry
-        name = f"{entry.name}[bytes {begin - entry.begin}:{end - entry.begin}]"
-        return TensorRef(self._ref.file, TensorEntry(name, _BYTES, (end - begin,), begin, end))
+    def _read_packed(self, packing: slicing.Packing) -> torch.Tensor:
+        """``_read`` of the ranges ``packing`` lays out, into one CPU buffer."""
+        try:
+            return self._handle.read_packed(self._ref, packing)
+        finally:
+            if self._owner.closed:
+                self._handle.close()
 
 
-def _gather(plan: slicing.ReadPlan, pieces: list[torch.Tensor]) -> torch.Tensor:
-    """The runs of ``plan``, in order, out of the ranges read (``pieces``, uint8), as one flat tensor.
+def _from_range(
+    plan: slicing.ReadPlan,
+    packing: slicing.Packing,
+    packed: torch.Tensor,
+    layout: slicing.Layout,
+    entry: TensorEntry,
+    *,
+    hugepages: bool,
+) -> torch.Tensor:
+    """The selection out of the one range read: a view of the range where the selection is all of
+    it, else a copy (a shard must not keep the covering bytes alive)."""
+    begin, end = (int(x) for x in plan.range_table[0])
+    start = int(packing.run_offsets[0]) - (int(plan.run_begins[0]) - begin)  # the range in the buffer
+    flat = packed[start : start + end - begin]
+    itemsize = entry.dtype.itemsize
+    if flat.data_ptr() % itemsize:
+        flat = flat.clone()  # a file that does not align its tensors (safetensors' files do)
+    flat = flat.view(_BITS[itemsize])  # torch copies every integer dtype, not every float8
+    first = (entry.begin - begin) // itemsize + layout.offset
+    view = flat.as_strided(layout.shape, layout.stride, flat.storage_offset() + first)
+    dtype = entry.dtype.torch_dtype
+    if view.numel() == flat.numel():
+        return flat.view(layout.shape).view(dtype)
+    out, _ = allocate_buffer(view.numel() * itemsize, hugepages=hugepages, budget=MemoryBudget(None))
+    return out.view(view.dtype).view(view.shape).copy_(view).view(dtype)
 
-    A range holding evenly spaced runs (every range of a 2-d slice) is one strided view, so
-    thousands of runs cost a few tensor calls, not a Python loop over them.
+
+def _gather(
+    plan: slicing.ReadPlan, packing: slicing.Packing, packed: torch.Tensor, *, hugepages: bool
+) -> torch.Tensor:
+    """The runs of ``plan``, in order, out of the packed buffer, as one flat uint8 tensor.
+
+    Runs evenly spaced in the buffer (every 2-d shard) are one strided copy, or none where they
+    lie back to back; others one indexed copy. The copy lands in memory of the loader's own
+    (huge pages where on), not torch's: first touch of fresh memory costs more than the copy.
     """
-    if len(pieces) == len(plan.run_begins):
-        return torch.cat(pieces)  # each range is one run
-    begins = plan.run_begins
-    ranges = torch.tensor(plan.ranges, dtype=torch.int64)
-    first = torch.searchsorted(begins, ranges[:, 0].contiguous()).tolist()
-    length = plan.run_bytes
-    parts = []
-    for (begin, _), flat, lo, hi in zip(plan.ranges, pieces, first, [*first[1:], len(begins)], strict=True):
-        inside = begins[lo:hi] - begin
-        steps = inside[1:] - inside[:-1]
-        if len(steps) == 0 or bool((steps == steps[0]).all()):
-            step = int(steps[0]) if len(steps) else 0
-            offset = flat.storage_offset() + int(inside[0])
-            parts.append(flat.as_strided((hi - lo, length), (step, 1), offset).reshape(-1))
-        else:
-            parts.extend(flat[b : b + length] for b in inside.tolist())
-    return torch.cat(parts)
+    offsets, length = packing.run_offsets, plan.run_bytes
+    count = len(offsets)
+    steps = offsets[1:] - offsets[:-1]
+    first = int(offsets[0])
+    if (steps == steps[0]).all() and int(steps[0]) == length:
+        return packed[first : first + count * length]
+    out, _ = allocate_buffer(count * length, hugepages=hugepages, budget=MemoryBudget(None))
+    rows = out.view(count, length)
+    if (steps == steps[0]).all():
+        rows.copy_(packed.as_strided((count, length), (int(steps[0]), 1), first))
+    else:
+        torch.index_select(packed.unfold(0, length, 1), 0, torch.from_numpy(offsets), out=rows)
+    return out
 
 
-_BYTES = DTYPES["U8"]
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -3,10 +3,12 @@
 An index made of ints, slices, ``...`` and ``None`` selects a strided view of the tensor. torch
 itself computes that view on a ``meta`` tensor (no memory, no bytes), so the shapes, the
 negative-index and clamping rules and every error are exactly torch's, which are safetensors'.
-The view is then cut into *runs* (contiguous element ranges, in order, computed as tensors so
-that a column of 16384 rows costs no Python loop); runs closer than what one more read request
-costs the storage (``ReadCost.request_bytes``) are read as one range, those further apart as
-ranges of their own: the covering rows or strided ranges, whichever costs less.
+The view is then cut into *runs* (contiguous element ranges, in order, computed as numpy arrays
+so that a column of 16384 rows costs no Python loop; numpy, not torch, because torch's intra-op
+threads stall these small operations for milliseconds on a busy machine); runs closer than what
+one more read request costs the storage (``ReadCost.request_bytes``) are read as one range, those
+further apart as ranges of their own: the covering rows or strided ranges, whichever costs less.
+The ranges are read back to back into one buffer (``packing``) and the runs gathered out of it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from streamer.errors import PackedSliceError
@@ -38,19 +41,44 @@ class Layout:
 class ReadPlan:
     """Byte ranges of the file to read (sorted, disjoint), and the runs the selection is made of.
 
-    The runs (``run_begins``: absolute byte offsets, int64, in the selection's row-major order,
-    each ``run_bytes`` long) each lie inside one range; with one range and one run, the selection
-    is that range exactly.
+    ``range_table`` is an ``[n, 2]`` int64 array of ``(begin, end)``. The runs (``run_begins``:
+    absolute byte offsets, int64, in the selection's row-major order, each ``run_bytes`` long)
+    each lie inside one range; with one range and one run, the selection is that range exactly.
     """
 
-    ranges: tuple[tuple[int, int], ...]
-    run_begins: torch.Tensor = field(compare=False)
+    range_table: np.ndarray = field(compare=False)
+    run_begins: np.ndarray = field(compare=False)
     run_bytes: int
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        """The ranges as ``(begin, end)`` pairs (a Python object per range: for inspection)."""
+        return _pairs(self.range_table)
 
     @property
     def runs(self) -> tuple[tuple[int, int], ...]:
         """The runs as ``(begin, end)`` pairs (a Python object per run: for inspection)."""
         return tuple((begin, begin + self.run_bytes) for begin in self.run_begins.tolist())
+
+
+@dataclass(frozen=True)
+class Packing:
+    """A plan's ranges read back to back into one buffer, so that no per-range object is ever made.
+
+    Each range is rounded out to ``alignment`` (O_DIRECT reads land aligned; the padding is read,
+    never credited) and cut into reads of at most one block; read ``i`` fills buffer bytes
+    ``[dst[i], dst[i] + read_length[i])`` from file offset ``read_offset[i]`` and credits file bytes
+    ``[acc_begin[i], acc_end[i])``. ``run_offsets``: where each run of the plan starts in the buffer.
+    """
+
+    size: int
+    need: int  # the bytes the ranges hold: what the reads credit
+    acc_begin: np.ndarray
+    acc_end: np.ndarray
+    read_offset: np.ndarray
+    read_length: np.ndarray
+    dst: np.ndarray
+    run_offsets: np.ndarray
 
 
 def is_basic(index: object) -> bool:
@@ -108,10 +136,10 @@ def runs_of(layout: Layout) -> list[tuple[int, int]] | None:
     return [(start, start + length) for start in starts.tolist()]
 
 
-def run_starts(layout: Layout) -> tuple[torch.Tensor, int] | None:
+def run_starts(layout: Layout) -> tuple[np.ndarray, int] | None:
     """Where each run starts (int64, row-major order) and the elements in each; None beyond ``MAX_RUNS``."""
     if layout.numel == 0:
-        return torch.empty(0, dtype=torch.int64), 0
+        return np.empty(0, dtype=np.int64), 0
     inner = 1
     outer = len(layout.shape)
     while outer > 0 and (layout.shape[outer - 1] == 1 or layout.stride[outer - 1] == inner):
@@ -119,9 +147,9 @@ def run_starts(layout: Layout) -> tuple[torch.Tensor, int] | None:
         inner *= layout.shape[outer]
     if math.prod(layout.shape[:outer]) > MAX_RUNS:
         return None
-    starts = torch.full((1,), layout.offset, dtype=torch.int64)
+    starts = np.full(1, layout.offset, dtype=np.int64)
     for n, stride in zip(layout.shape[:outer], layout.stride[:outer], strict=True):
-        starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
     return starts, inner
 
 
@@ -143,30 +171,57 @@ def plan(layout: Layout, *, base: int, itemsize: int, request_bytes: int) -> Rea
     found = run_starts(layout)
     if found is None:
         lo, hi = covering(layout)
-        whole = (base + lo * itemsize, base + hi * itemsize)
-        return ReadPlan((whole,), torch.tensor([whole[0]]), whole[1] - whole[0])
+        whole = np.array([[base + lo * itemsize, base + hi * itemsize]], dtype=np.int64)
+        return ReadPlan(whole, whole[:, 0].copy(), int(whole[0, 1] - whole[0, 0]))
     starts, length = found
     begins = base + starts * itemsize
-    runs = torch.stack((begins, begins + length * itemsize), dim=1)
-    return ReadPlan(_pairs(merged(runs, max_gap=request_bytes - 1)), begins, length * itemsize)
+    runs = np.stack((begins, begins + length * itemsize), axis=1)
+    return ReadPlan(merged(runs, max_gap=request_bytes - 1), begins, length * itemsize)
 
 
-def merged(runs: torch.Tensor, *, max_gap: int) -> torch.Tensor:
-    """Sorted ranges (an ``[n, 2]`` int64 tensor) with gaps of at most ``max_gap`` joined."""
+def packing(plan: ReadPlan, *, alignment: int, block_size: int) -> Packing:
+    """How to read ``plan``'s ranges into one buffer, ``alignment``-rounded, in reads of about
+    ``block_size`` (rounded down to the alignment) at most."""
+    step = max(alignment, block_size - block_size % alignment)
+    begin, end = plan.range_table[:, 0].copy(), plan.range_table[:, 1].copy()
+    lo = begin - begin % alignment
+    hi = (end + alignment - 1) // alignment * alignment
+    extent = hi - lo
+    position = np.cumsum(extent) - extent  # where each range's aligned extent starts
+    reads = (extent + step - 1) // step
+    which = np.repeat(np.arange(len(extent)), reads)  # the range of each read
+    first = np.cumsum(reads) - reads
+    read_offset = lo[which] + (np.arange(len(which)) - first[which]) * step
+    read_end = np.minimum(read_offset + step, hi[which])
+    run_range = np.searchsorted(begin, plan.run_begins, side="right") - 1
+    return Packing(
+        size=int(extent.sum()),
+        need=int((end - begin).sum()),
+        acc_begin=np.maximum(read_offset, begin[which]),
+        acc_end=np.minimum(read_end, end[which]),
+        read_offset=read_offset,
+        read_length=read_end - read_offset,
+        dst=position[which] + read_offset - lo[which],
+        run_offsets=position[run_range] + plan.run_begins - lo[run_range],
+    )
+
+
+def merged(runs: np.ndarray, *, max_gap: int) -> np.ndarray:
+    """Sorted ranges (an ``[n, 2]`` int64 array) with gaps of at most ``max_gap`` joined."""
     if len(runs) < 2:
         return runs
-    apart = torch.nonzero(runs[1:, 0] - runs[:-1, 1] > max_gap).reshape(-1)
-    first = torch.cat((torch.zeros(1, dtype=torch.int64), apart + 1))
-    last = torch.cat((apart, torch.tensor([len(runs) - 1])))
-    return torch.stack((runs[first, 0], runs[last, 1]), dim=1)
+    apart = np.flatnonzero(runs[1:, 0] - runs[:-1, 1] > max_gap)
+    first = np.concatenate(([0], apart + 1))
+    last = np.concatenate((apart, [len(runs) - 1]))
+    return np.stack((runs[first, 0], runs[last, 1]), axis=1)
 
 
 def merge(ranges: tuple[tuple[int, int], ...], *, max_gap: int) -> list[tuple[int, int]]:
     """Sorted ranges with gaps of at most ``max_gap`` joined."""
     if not ranges:
         return []
-    return list(_pairs(merged(torch.tensor(ranges, dtype=torch.int64), max_gap=max_gap)))
+    return list(_pairs(merged(np.array(ranges, dtype=np.int64), max_gap=max_gap)))
 
 
-def _pairs(ranges: torch.Tensor) -> tuple[tuple[int, int], ...]:
+def _pairs(ranges: np.ndarray) -> tuple[tuple[int, int], ...]:
     return tuple((begin, end) for begin, end in ranges.tolist())

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamer import PackedSliceError
-from streamer.backends.base import LOCAL_READ_COST, REMOTE_READ_COST
+from streamer.backends.base import LOCAL_CACHED_READ_COST, LOCAL_READ_COST, REMOTE_READ_COST
 from streamer.engine.blocks import Unit
 from streamer.planner import align_down, align_up, plan_segments
 from streamer.slicing import MAX_RUNS, Layout, covering, is_basic, merge, pack, plan, runs_of, select
@@ -101,22 +101,25 @@ def test_plan_reads_rows_as_one_range_and_far_runs_one_by_one() -> None:
 
 def test_the_choice_follows_the_storage_read_cost() -> None:
     """Columns of 32 KiB rows (28 KiB gaps): strided where a request costs less than the gap (local
-    files), the covering rows where it costs more (S3); rows of 8 MiB are strided on both."""
+    files in the page cache), the covering rows where it costs more (the local device, S3); rows
+    of 8 MiB are strided on all three."""
     short = select((slice(None), slice(0, 4096)), (64, 32 * KiB))
-    local = plan(short, base=0, itemsize=1, request_bytes=LOCAL_READ_COST.request_bytes)
-    assert local.ranges == local.runs and len(local.ranges) == 64
-    remote = plan(short, base=0, itemsize=1, request_bytes=REMOTE_READ_COST.request_bytes)
-    assert remote.ranges == ((0, 63 * 32 * KiB + 4096),) and len(remote.runs) == 64
-    long = select((slice(None), slice(0, 1 << 20)), (4, 8 << 20))
+    cached = plan(short, base=0, itemsize=1, request_bytes=LOCAL_CACHED_READ_COST.request_bytes)
+    assert cached.ranges == cached.runs and len(cached.ranges) == 64
     for cost in (LOCAL_READ_COST, REMOTE_READ_COST):
+        covering = plan(short, base=0, itemsize=1, request_bytes=cost.request_bytes)
+        assert covering.ranges == ((0, 63 * 32 * KiB + 4096),) and len(covering.runs) == 64
+    long = select((slice(None), slice(0, 1 << 20)), (4, 8 << 20))
+    for cost in (LOCAL_CACHED_READ_COST, LOCAL_READ_COST, REMOTE_READ_COST):
         assert len(plan(long, base=0, itemsize=1, request_bytes=cost.request_bytes).ranges) == 4
-    assert LOCAL_READ_COST.request_bytes < REMOTE_READ_COST.request_bytes
+    costs = (LOCAL_CACHED_READ_COST, LOCAL_READ_COST, REMOTE_READ_COST)
+    assert [c.request_bytes for c in costs] == sorted({c.request_bytes for c in costs})
 
 
 def test_many_runs_are_planned_without_a_covering_cliff() -> None:
     """16384 rows (four times the old limit) of 64 KiB, a column of 8 KiB each: 16384 strided ranges."""
     layout = select((slice(None), slice(8192, 16384)), (16384, 64 * KiB))
-    planned = plan(layout, base=100, itemsize=1, request_bytes=LOCAL_READ_COST.request_bytes)
+    planned = plan(layout, base=100, itemsize=1, request_bytes=LOCAL_CACHED_READ_COST.request_bytes)
     assert len(planned.ranges) == 16384
     assert planned.ranges[-1] == (100 + 16383 * 64 * KiB + 8192, 100 + 16383 * 64 * KiB + 16384)
     assert sum(end - begin for begin, end in planned.ranges) == 16384 * 8192

@@ -8,8 +8,10 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from conftest import (
     Written,
@@ -27,7 +29,7 @@ from faulty_storage import SCHEME, Faults, FaultyStorage
 
 import streamer
 from streamer import backends
-from streamer.backends.base import REMOTE_READ_COST
+from streamer.backends.base import LOCAL_CACHED_READ_COST, LOCAL_READ_COST, REMOTE_READ_COST
 from streamer.errors import ReadError, SourceError
 
 KiB = 1024
@@ -201,3 +203,13 @@ def test_sources_name_one_storage(ckpt: Written, faults: Faults) -> None:
         streamer.open("nowhere://bucket/model.safetensors")
     with pytest.raises(SourceError, match="not a mix"):
         streamer.open([uri(ckpt.shards[0]), str(ckpt.shards[1])])
+
+
+def test_local_files_cost_more_per_request_from_the_device(tmp_path: Path) -> None:
+    """Reads that go to the device (O_DIRECT) are charged the device's request cost; reads from the
+    page cache (buffered) the cache's."""
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"w": torch.zeros(64, 1024)}, str(path))
+    for io_mode, cost in (("direct", LOCAL_READ_COST), ("buffered", LOCAL_CACHED_READ_COST)):
+        with streamer.open(path, config=streamer.StreamerConfig(io_mode=io_mode)) as handle:
+            assert handle.read_cost_of(handle.checkpoint.ref("w")) == cost

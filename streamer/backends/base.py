@@ -73,9 +73,12 @@ class ReadCost:
     request_bytes: int
 
 
-# Measured on this project's VMs: pread of 4 KiB..1 MiB pieces every 8th piece of a 256 MiB file
-# vs 1 MiB sequential reads: 1-30 us per request at 0.7-10 GiB/s, buffered or O_DIRECT = 10-22 KiB.
-LOCAL_READ_COST = ReadCost(request_bytes=16 << 10)
+# Measured on this project's VMs. From the page cache: pread of 4 KiB..1 MiB pieces every 8th piece
+# of a 256 MiB file vs 1 MiB sequential reads, 1-30 us per request at 0.7-10 GiB/s = 10-22 KiB.
+LOCAL_CACHED_READ_COST = ReadCost(request_bytes=16 << 10)
+# From the device (O_DIRECT): 3.6 GB/s sequential against ~50-70k 8 KiB reads/s at queue depth 8-64
+# (benchmarks/slice_load.py --cold) = 50-70 KiB.
+LOCAL_READ_COST = ReadCost(request_bytes=64 << 10)
 # An S3 GET: a round trip and request handling (~30-50 ms to first byte) at one connection's
 # ~80-100 MB/s, ~3-5 MiB; also what any storage that does not say otherwise is charged.
 REMOTE_READ_COST = ReadCost(request_bytes=4 << 20)
@@ -117,6 +120,11 @@ class Storage(ABC):
     def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
         """The bytes of each range (all at once where the storage can); a range comes back short
         only when its file ended early."""
+
+    def read_cost_of(self, file: StoredFile, span: Span) -> ReadCost:
+        """What one more request costs a run reading ``span`` of ``file`` (``read_cost`` unless the
+        storage knows better, e.g. local bytes already in the page cache)."""
+        return self.read_cost
 
     @abstractmethod
     def feed(

@@ -165,5 +165,8 @@ class Run:
 
     def _submit(self, blocks: Sequence[native.Block], base: int) -> None:
         assert self._reader is not None
-        self._reader.submit([block._replace(dst=base + block.dst) for block in blocks])
+        if isinstance(blocks, native.BlockArray):
+            self._reader.submit(blocks.rebased(base))
+        else:
+            self._reader.submit([block._replace(dst=base + block.dst) for block in blocks])
         self.metrics.blocks += len(blocks)
