@@ -18,7 +18,7 @@ import torch
 from streamer import slicing
 from streamer.api import Streamer, check_backend
 from streamer.checkpoint import TensorRef
-from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.config import StreamerConfig
 from streamer.destinations.cpu import MemoryBudget, allocate_buffer
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
 from streamer.format.safetensors import TensorEntry
@@ -160,15 +160,9 @@ class TensorSlice:
         if layout.numel == 0:
             return torch.empty(layout.shape, dtype=dtype, device=self._handle.device)
         itemsize = entry.dtype.itemsize
-        plan = slicing.plan(
-            layout,
-            base=entry.begin,
-            itemsize=itemsize,
-            request_bytes=self._handle.read_cost_of(self._ref).request_bytes,
-        )
-        packing = slicing.packing(
-            plan, alignment=DIRECT_IO_ALIGNMENT, block_size=self._handle.config.block_size
-        )
+        cost = self._handle.read_cost_of(self._ref)
+        plan = slicing.plan(layout, base=entry.begin, itemsize=itemsize, request_bytes=cost.request_bytes)
+        packing = slicing.packing(plan, alignment=cost.alignment, block_size=self._handle.config.block_size)
         packed = self._read_packed(packing)
         if len(plan.range_table) == 1:
             selected = _from_range(

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.engine import native
 
 HEADER = native._header_path()
@@ -143,3 +144,7 @@ def test_a_block_array_is_an_se_block_array() -> None:
         assert int(native.ffi.cast("uintptr_t", entry.dst)) == (1 << 40) + block.dst
     with pytest.raises(ValueError, match="BLOCK_DTYPE"):
         native.BlockArray(np.zeros(2, dtype=np.int64))
+
+
+def test_the_direct_io_alignment_is_the_engines() -> None:
+    assert native.DIRECT_ALIGNMENT == DIRECT_IO_ALIGNMENT

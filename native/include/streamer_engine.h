@@ -30,6 +30,9 @@ extern "C" {
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
 #define SE_ABI_VERSION 4
 
+/* O_DIRECT reads need offset, length and destination on multiples of this. */
+#define SE_DIRECT_ALIGNMENT 4096
+
 /* Status codes: 0 is success, every failure is negative. */
 #define SE_OK 0
 #define SE_ERR_NOMEM (-1)     /* allocation failed */
@@ -58,9 +61,10 @@ typedef struct se_unit {
  * [acc_begin, acc_end) (inside the read range) is credited to the units
  * first_unit..last_unit that it overlaps. A read may end early only at end of
  * file, and only after acc_end: for O_DIRECT files the planner rounds reads out
- * to the alignment, which can run past EOF. A file read buffered needs no
- * alignment: only its credited part is read (into dst + acc_begin - read_offset),
- * the rest of dst is left as it was.
+ * to the alignment, which can run past EOF. A buffered read needs no alignment:
+ * only the credited part is read (into dst + acc_begin - read_offset), the rest
+ * of dst is left as it was. Blocks of an O_DIRECT file whose offset, length or
+ * dst is off SE_DIRECT_ALIGNMENT are read buffered.
  */
 typedef struct se_block {
     int32_t file;
@@ -103,7 +107,8 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
                             int32_t *status);
 
 /*
- * Opens a file for reading. want_direct asks for O_DIRECT; if the filesystem
+ * Opens a file for reading. want_direct asks for O_DIRECT (the file then holds a
+ * second, buffered descriptor for blocks off the alignment); if the filesystem
  * refuses it the file is read buffered and *is_direct is 0. Returns the file
  * index (>= 0) or a negative status; *sys_errno gets errno on SE_ERR_OPEN.
  */

@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 typedef struct se_file {
-    int fd;     /* -1: an external file, read by someone else */
-    int direct; /* opened with O_DIRECT: reads keep their alignment padding */
+    int fd;          /* -1: an external file, read by someone else */
+    int buffered_fd; /* fd itself for a buffered file; its own descriptor beside an O_DIRECT fd */
 } se_file;
 
 struct se_engine {
@@ -115,6 +115,10 @@ static void credit_units(se_engine *e, const se_block *b) {
     pthread_cond_broadcast(&e->done_ready);
 }
 
+static int direct_aligned(const se_block *b) {
+    return (b->read_offset | b->read_length | (uint64_t)(uintptr_t)b->dst) % SE_DIRECT_ALIGNMENT == 0;
+}
+
 /* A buffered read needs no alignment: it reads only the credited bytes, into their place in dst. */
 static void trim_to_credited(se_block *b) {
     b->dst = (char *)b->dst + (b->acc_begin - b->read_offset);
@@ -135,8 +139,9 @@ static void *worker_main(void *arg) {
             break; /* stopping and nothing left */
         }
         se_block block = e->queue[e->queue_head++];
-        int fd = e->files[block.file].fd; /* add_file may move the table once unlocked */
-        if (!e->files[block.file].direct) {
+        se_file file = e->files[block.file]; /* add_file may move the table once unlocked */
+        int fd = file.fd != file.buffered_fd && !direct_aligned(&block) ? file.buffered_fd : file.fd;
+        if (fd == file.buffered_fd) {
             trim_to_credited(&block);
         }
         pthread_mutex_unlock(&e->lock);
@@ -161,6 +166,16 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
+/* Closes a file's descriptors (-1: none; the same descriptor twice for a buffered file). */
+static void close_file(int fd, int buffered_fd) {
+    if (fd >= 0) {
+        close(fd);
+    }
+    if (buffered_fd >= 0 && buffered_fd != fd) {
+        close(buffered_fd);
+    }
+}
+
 static void free_engine(se_engine *e) {
     free(e->workers);
     free(e->files);
@@ -182,9 +197,7 @@ static void teardown(se_engine *e, uint32_t started_workers) {
         pthread_join(e->workers[i], NULL);
     }
     for (int32_t i = 0; i < e->n_files; i++) {
-        if (e->files[i].fd >= 0) {
-            close(e->files[i].fd);
-        }
+        close_file(e->files[i].fd, e->files[i].buffered_fd);
     }
     pthread_cond_destroy(&e->done_ready);
     pthread_cond_destroy(&e->work_ready);
@@ -275,7 +288,7 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
 }
 
 /* Appends a file entry; returns its index or SE_ERR_NOMEM (fd is not closed on failure). */
-static int32_t append_file(se_engine *e, int fd, int direct) {
+static int32_t append_file(se_engine *e, int fd, int buffered_fd) {
     pthread_mutex_lock(&e->lock);
     if (e->n_files == e->files_capacity) {
         int32_t capacity = e->files_capacity ? e->files_capacity * 2 : 8;
@@ -289,7 +302,7 @@ static int32_t append_file(se_engine *e, int fd, int direct) {
     }
     int32_t index = e->n_files++;
     e->files[index].fd = fd;
-    e->files[index].direct = direct;
+    e->files[index].buffered_fd = buffered_fd;
     pthread_mutex_unlock(&e->lock);
     return index;
 }
@@ -303,22 +316,27 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
         fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
         *is_direct = fd >= 0;
     }
-    if (fd < 0) {
-        fd = open(path, O_RDONLY | O_CLOEXEC);
-    }
-    if (fd < 0) {
+    int buffered_fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (buffered_fd < 0) {
         *sys_errno = errno;
+        if (fd >= 0) {
+            close(fd);
+        }
+        *is_direct = 0;
         return SE_ERR_OPEN;
     }
-    int32_t index = append_file(e, fd, *is_direct);
+    if (fd < 0) {
+        fd = buffered_fd;
+    }
+    int32_t index = append_file(e, fd, buffered_fd);
     if (index < 0) {
-        close(fd);
+        close_file(fd, buffered_fd);
     }
     return index;
 }
 
 int32_t se_engine_add_external_file(se_engine *e) {
-    return append_file(e, -1, 0);
+    return append_file(e, -1, -1);
 }
 
 /* Caller holds the lock. external: the block must be of an external file (else of a local one). */

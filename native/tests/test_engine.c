@@ -498,6 +498,34 @@ static void test_buffered_reads_credited_only(void) {
     free(data);
 }
 
+/* An O_DIRECT file reads aligned blocks directly and blocks off the alignment buffered, exactly. */
+static void test_direct_file_reads_unaligned_blocks_buffered(void) {
+    const uint64_t size = 5 * 4096;
+    unsigned char *data = random_bytes(size, 23);
+    temp_file f;
+    temp_create(&f, data, size);
+    CHECK(fsync(f.fd) == 0);
+    const se_unit units[2] = {{0, 5000, 6000, 0}, {0, 8192, 12288, 0}};
+    unsigned char *aligned = se_alloc(4096, 0);
+    unsigned char odd[1001];
+    CHECK(aligned != NULL);
+    const se_block blocks[2] = {
+        {0, 0, 0, 5000, 6000, 5000, 1000, odd + 1},
+        {0, 1, 1, 8192, 12288, 8192, 4096, aligned},
+    };
+    se_engine *e = engine_new(2, units, 2);
+    CHECK_EQ(engine_add(e, f.path, 1, NULL), 0);
+    CHECK_EQ(se_engine_submit(e, blocks, 2), SE_OK);
+    uint8_t seen[2] = {0, 0};
+    collect(e, seen, 2, 2, 4);
+    se_engine_destroy(e);
+    CHECK(memcmp(odd + 1, data + 5000, 1000) == 0);
+    CHECK(memcmp(aligned, data + 8192, 4096) == 0);
+    se_free(aligned, 4096, 0);
+    temp_remove(&f);
+    free(data);
+}
+
 /* 3. O_DIRECT: aligned reads into se_alloc memory; the last read runs past EOF. */
 static void test_direct_io(void) {
     const uint64_t size = 3 * 4096 + 100;
@@ -1251,6 +1279,7 @@ int main(void) {
     RUN(test_straddling_blocks);
     RUN(test_sparse_unit);
     RUN(test_buffered_reads_credited_only);
+    RUN(test_direct_file_reads_unaligned_blocks_buffered);
     RUN(test_direct_io);
     RUN(test_truncated_file);
     RUN(test_file_shrinks_between_batches);

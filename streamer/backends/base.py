@@ -68,9 +68,11 @@ class ReadCost:
 
     A gap between two wanted ranges shorter than ``request_bytes`` is cheaper read through than
     skipped with a request of its own; a longer one is skipped (``slicing.plan``, ``planner``).
+    ``alignment``: what the storage rounds each read out to (O_DIRECT); 1, the bytes wanted only.
     """
 
     request_bytes: int
+    alignment: int = 1
 
 
 # Measured on this project's VMs. From the page cache: pread of 4 KiB..1 MiB pieces every 8th piece
@@ -78,7 +80,7 @@ class ReadCost:
 LOCAL_CACHED_READ_COST = ReadCost(request_bytes=16 << 10)
 # From the device (O_DIRECT): 3.6 GB/s sequential against ~50-70k 8 KiB reads/s at queue depth 8-64
 # (benchmarks/slice_load.py --cold) = 50-70 KiB.
-LOCAL_READ_COST = ReadCost(request_bytes=64 << 10)
+LOCAL_READ_COST = ReadCost(request_bytes=64 << 10, alignment=native.DIRECT_ALIGNMENT)
 # An S3 GET: a round trip and request handling (~30-50 ms to first byte) at one connection's
 # ~80-100 MB/s, ~3-5 MiB; also what any storage that does not say otherwise is charged.
 REMOTE_READ_COST = ReadCost(request_bytes=4 << 20)

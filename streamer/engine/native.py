@@ -65,6 +65,7 @@ def _parse_header(text: str) -> tuple[str, dict[str, int]]:
 _DECLARATIONS, _CONSTANTS = _parse_header(_header_path().read_text())
 
 ABI_VERSION = _CONSTANTS["SE_ABI_VERSION"]
+DIRECT_ALIGNMENT = _CONSTANTS["SE_DIRECT_ALIGNMENT"]
 OK = _CONSTANTS["SE_OK"]
 ERR_NOMEM = _CONSTANTS["SE_ERR_NOMEM"]
 ERR_OPEN = _CONSTANTS["SE_ERR_OPEN"]
