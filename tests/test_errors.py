@@ -321,6 +321,28 @@ def test_file_truncated_after_open(tmp_path: Path, deadline: Any, where: str, io
                 assert error.tensor in incomplete, (error, cut)
 
 
+@pytest.mark.parametrize("io_mode", ["buffered", "direct"])
+def test_a_slice_of_a_file_truncated_after_open_names_file_and_tensor(tmp_path: Path, io_mode: str) -> None:
+    """A strided shard (one packed run of many ranges) and a row slice whose bytes were cut off:
+    a ``ReadError`` naming the file and the tensor, never a partly filled tensor; no thread or
+    descriptor outlives the read."""
+    g = torch.Generator().manual_seed(7)
+    weight = random_tensor((64, 48 * KiB // 4), torch.float32, g)
+    path = tmp_path / "w.safetensors"
+    tensors = {"head": random_tensor((16,), torch.int8, g), "weight": weight}
+    safetensors.torch.save_file(tensors, str(path))
+    _, begin, end = next(t for t in file_layout(path) if t[0] == "weight")
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
+    for index in [(slice(None), slice(0, 1024)), (slice(40, 64),)]:
+        with streamer.safe_open(path, config=config(io_mode=io_mode)) as handle:
+            os.truncate(path, (begin + end) // 2)
+            with pytest.raises(ReadError) as info:
+                handle.get_slice("weight")[index]
+        assert info.value.path == str(path) and info.value.tensor == "weight", info.value
+        safetensors.torch.save_file(tensors, str(path))
+    assert threading.active_count() == threads and len(os.listdir("/proc/self/fd")) == fds
+
+
 def test_tensors_before_the_cut_still_arrive_intact(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(6)
     tensors = {f"w{i}": random_tensor((4096,), torch.float32, g) for i in range(8)}
