@@ -464,6 +464,23 @@ def test_shards_of_rows_off_the_alignment_are_bit_exact(tmp_path: Path, io_mode:
                 assert wanted <= read <= wanted + got.shape[0] * 8 * KiB, str(index)
 
 
+@pytest.mark.parametrize("io_mode", ["direct", "buffered"])
+def test_slices_of_a_tensor_off_its_dtype_alignment(tmp_path: Path, io_mode: str) -> None:
+    """A float32 weight starting 3 bytes into the data section (after a 3-byte tensor): shards and
+    row slices come out exact, aligned and contiguous, packed with or without O_DIRECT padding."""
+    g = torch.Generator().manual_seed(24)
+    small, _ = raw_entry("u8", "U8", (3,), generator=g)
+    entry, weight = raw_entry("w", "F32", (32, 32 * KiB), generator=g)
+    path = tmp_path / "off.safetensors"
+    layout = write_raw(path, [small, entry], data_start_mod8=0)
+    assert layout["w"][0] % 4 == 3
+    with streamer.safe_open(path, config=StreamerConfig(concurrency=3, io_mode=io_mode)) as handle:
+        for index in [(slice(None), slice(0, 1024)), (slice(3, 9),), (slice(None), slice(100, 200, 3)), 5]:
+            got = handle.get_slice("w")[index]
+            assert_same(got, weight[index], str(index))
+            assert got.is_contiguous() and got.data_ptr() % 4 == 0
+
+
 def test_unevenly_spaced_runs_in_one_range(tmp_path: Path) -> None:
     """Experts far apart, rows of one expert close but unevenly spaced: each expert is one range
     holding runs 4, 12 and 16 KiB from its first."""
