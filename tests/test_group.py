@@ -410,6 +410,8 @@ def test_bench_ranks_compares_a_group_with_independent_loads(tmp_path: Path) -> 
     assert all(r["wall_s"] > 0 for r in section["runs"])
     assert group["exchange_s"] > 0 == alone["exchange_s"]
     assert "group/independent wall" in proc.stdout
+    assert section["paired"]["rounds"] == 1 and section["paired"]["verdict"] == "too few rounds"
+    assert "independent/group wall per round" in proc.stdout
 
 
 def test_vllm_plugin_loads_through_the_tp_group_unless_told_not_to() -> None:

@@ -11,6 +11,7 @@ warm) before each run, as ``--cold``/``--warm`` say.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import statistics
 import tempfile
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import streamer
-from streamer.bench import cache
+from streamer.bench import cache, stats
 from streamer.bench.checkpoint import Checkpoint
 from streamer.bench.units import format_bytes
 
@@ -81,7 +82,9 @@ def _one_run(source: str, world: int, grouped: bool) -> dict[str, Any]:
 def bench(
     checkpoint: Checkpoint, world: int, repeat: int, states: list[str], progress: Any
 ) -> dict[str, Any]:
-    """Every state's interleaved runs of both modes, and their medians."""
+    """Every state's interleaved runs of both modes, their medians, and the paired per-round ratio of
+    the independent loads' wall time over the group's (above 1: the group is faster) with its
+    bootstrap interval and verdict (``stats.compare``)."""
     sections = []
     for state in states:
         runs: list[dict[str, Any]] = []
@@ -92,7 +95,7 @@ def bench(
                 elif state == "warm":
                     cache.make_warm(checkpoint.files)
                 progress(f"{state} round {round_ + 1}/{repeat}: {world} ranks, {mode}")
-                runs.append(_one_run(checkpoint.source, world, mode == "group"))
+                runs.append({"round": round_, **_one_run(checkpoint.source, world, mode == "group")})
         medians = {
             mode: {
                 key: statistics.median(r[key] for r in runs if r["mode"] == mode)
@@ -100,7 +103,11 @@ def bench(
             }
             for mode in MODES
         }
-        sections.append({"state": state, "runs": runs, "medians": medians})
+        walls = {mode: {r["round"]: r["wall_s"] for r in runs if r["mode"] == mode} for mode in MODES}
+        paired = stats.compare(walls["group"], walls["independent"])  # independent ÷ group, per round
+        sections.append(
+            {"state": state, "runs": runs, "medians": medians, "paired": dataclasses.asdict(paired)}
+        )
     return {"ranks": world, "tensor_bytes": checkpoint.tensor_bytes, "sections": sections}
 
 
@@ -119,4 +126,11 @@ def render(doc: dict[str, Any]) -> str:
             )
         group, alone = section["medians"]["group"], section["medians"]["independent"]
         lines.append(f"{section['state']:8} group/independent wall: {group['wall_s'] / alone['wall_s']:.2f}x")
+        paired = section["paired"]
+        interval = f" [{paired['low']:.2f}, {paired['high']:.2f}]" if paired["low"] is not None else ""
+        ratio = f"{paired['ratio']:.2f}x" if paired["ratio"] is not None else "-"
+        lines.append(
+            f"{section['state']:8} independent/group wall per round: {ratio}{interval} over "
+            f"{paired['rounds']} rounds: the group is {paired['verdict']}"
+        )
     return "\n".join(lines)
