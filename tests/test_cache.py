@@ -71,12 +71,19 @@ def model(tmp_path_factory: pytest.TempPathFactory, s3: Any) -> Written:
     return written
 
 
-def cfg(endpoint: str, cache_dir: Path | str, *, block_size: int = 48 * KiB, **cache: Any) -> StreamerConfig:
+def cfg(
+    endpoint: str,
+    cache_dir: Path | str,
+    *,
+    block_size: int = 48 * KiB,
+    chunk_bytes: int = CHUNK,
+    **cache: Any,
+) -> StreamerConfig:
     return StreamerConfig(
         concurrency=2,
         block_size=block_size,
         s3=loopback_s3_config(endpoint, CREDENTIALS, concurrency=4),
-        cache=CacheConfig(dir=str(cache_dir), chunk_bytes=CHUNK, **cache),
+        cache=CacheConfig(dir=str(cache_dir), chunk_bytes=chunk_bytes, **cache),
     )
 
 
@@ -87,7 +94,7 @@ def load(source: Any, config: StreamerConfig) -> tuple[dict[str, torch.Tensor], 
 
 
 def chunk_files(cache_dir: Path) -> list[Path]:
-    return sorted(cache_dir.glob("v1/*/*.chunk"))
+    return sorted(cache_dir.glob("v2/*/*.chunk"))
 
 
 def chunks_of(written: Written) -> int:
@@ -173,6 +180,28 @@ def test_corrupted_chunk_is_refetched_and_rewritten(s3_server: str, model: Writt
     assert again["cache_errors"] == 0 and again["requests"] == 0
 
 
+def test_blocks_inside_large_chunks_hit_and_a_bad_piece_is_refetched(
+    s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    """Chunks of 256 KiB under blocks of 200 KiB: hits read whole checksummed pieces straight into
+    the run's buffers and only the edges through a scratch piece; a bit flipped inside one piece
+    fails the block reading it, and that chunk alone is fetched again."""
+    expected = reference_load(model.shards)
+    config = cfg(s3_server, tmp_path, block_size=200 * KiB, chunk_bytes=256 * KiB)
+    got, _ = load(prefix(s3_server), config)
+    assert_same_dict(got, expected)
+    got, hit = load(prefix(s3_server), config)
+    assert_same_dict(got, expected)
+    assert hit["requests"] == 0 and hit["cache_hit_bytes"] == hit["bytes"]
+    victim = chunk_files(tmp_path)[1]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    got, healed = load(prefix(s3_server), config)
+    assert_same_dict(got, expected)
+    assert healed["cache_errors"] == 1 and healed["requests"] - healed["retries"] == 1
+
+
 _LOADER = """
 import json, sys, time
 import streamer
@@ -234,12 +263,12 @@ def test_kill_during_fill_leaves_a_correct_cache(s3_server: str, model: Written,
         time.sleep(0.002)
     process.send_signal(signal.SIGKILL)
     process.communicate()
-    ident = tmp_path / "v1" / os.listdir(tmp_path / "v1")[0]
+    ident = tmp_path / "v2" / os.listdir(tmp_path / "v2")[0]
     (ident / "7.chunk.tmp.999999999.1").write_bytes(b"torn")  # a temporary file of a dead process
     got, metrics = load(prefix(s3_server), cfg(s3_server, tmp_path))
     assert_same_dict(got, reference_load(model.shards))
     assert metrics["cache_errors"] == 0
-    assert not list(tmp_path.glob("v1/*/*.tmp.*"))  # cleaned when the cache was opened
+    assert not list(tmp_path.glob("v2/*/*.tmp.*"))  # cleaned when the cache was opened
     assert len(chunk_files(tmp_path)) == chunks_of(model)
 
 
@@ -281,7 +310,7 @@ def test_full_disk_loads_with_one_warning(
     assert_same_dict(got, reference_load(model.shards))
     assert [w.category for w in caught] == [CacheWarning] and "ENOSPC" in str(caught[0].message)
     assert writes >= 1 and metrics["cache_write_bytes"] == 0
-    assert not chunk_files(tmp_path) and not list(tmp_path.glob("v1/*/*.tmp.*"))
+    assert not chunk_files(tmp_path) and not list(tmp_path.glob("v2/*/*.tmp.*"))
 
 
 def test_cache_config_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

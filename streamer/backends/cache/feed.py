@@ -11,7 +11,7 @@ it is credited (and may be reused by the run) before the cache write has even st
 
 Worker threads (``s3.concurrency`` of them) fetch through the shared S3 client; threads of one
 run needing the same chunk share one fetch (in memory), and processes of a node share one through
-the store's chunk locks: the filler holds the lock until its write is durable, the others wait for
+the store's chunk locks: the filler holds the lock until its chunk is in place, the others wait for
 it and read the chunk from the cache. The writer queue is bounded: a chunk it cannot take is not
 cached (counted), never slowing the load.
 """
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from streamer.backends.base import ExternalFeed, Named, tensor_at
-from streamer.backends.cache.store import ChunkLock, ChunkStore
+from streamer.backends.cache.store import ChunkLock, ChunkStore, piece_bytes
 from streamer.backends.http import Connection
 from streamer.backends.s3.client import S3Client
 from streamer.backends.s3.uri import ObjectInfo
@@ -61,6 +61,7 @@ class CacheFeed(ExternalFeed):
         self._client = client
         self._store = store
         self._chunk = chunk_bytes
+        self._piece = piece_bytes(chunk_bytes)
         self._objects = tuple(objects)
         self._idents = tuple(idents)
         self._tensors = tensors
@@ -110,8 +111,12 @@ class CacheFeed(ExternalFeed):
                 first = index * self._chunk
                 last = min(first + self._chunk, info.size)
                 low, high = max(begin, first), min(end, last)
+                part = view[low - begin : high - begin]
+                if self._store.read_into(self._idents[block.file], index, first, last - first, low, part):
+                    self._count("cache_hit_bytes", high - low)
+                    continue
                 data, cached = self._chunk_data(connection, block.file, index, first, last)
-                view[low - begin : high - begin] = memoryview(data)[low - first : high - first]
+                part[:] = memoryview(data)[low - first : high - first]
                 self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
         except S3Error as error:
             self.fail(error, block)
@@ -132,12 +137,9 @@ class CacheFeed(ExternalFeed):
     def _chunk_data(
         self, connection: Connection, file: int, index: int, first: int, last: int
     ) -> tuple[bytes | bytearray, bool]:
-        """Chunk ``index`` of engine file ``file`` and whether it came from the cache (else S3,
-        fetched by this thread or another of the run)."""
-        ident = self._idents[file]
-        data = self._store.read(ident, index, first, last - first)
-        if data is not None:
-            return data, True
+        """Chunk ``index`` of engine file ``file``, not found in the cache, and whether another
+        process filled it meanwhile (else it came from S3, fetched by this thread or another of
+        the run)."""
         with self._mutex:
             shared = self._filling.get((file, index))
             mine = shared is None
@@ -163,22 +165,21 @@ class CacheFeed(ExternalFeed):
     ) -> tuple[bytes | bytearray, bool]:
         ident = self._idents[file]
         lock = self._store.lock(ident, index, _FILL_WAIT)
-        if lock is not None:
-            data = self._store.read(ident, index, first, last - first)  # filled while we waited
-            if data is not None:
-                lock.release()
-                return data, True
         buffer = bytearray(last - first)
+        view = memoryview(buffer)
         try:
-            view = memoryview(buffer)
+            if lock is not None and self._store.read_into(ident, index, first, last - first, first, view):
+                lock.release()  # another process filled it while we waited
+                return buffer, True
             self._client.call(
                 self._client.fetch_into(connection, self._objects[file], first, last, view, until=self._until)
             )
-            view.release()
         except BaseException:
             if lock is not None:
                 lock.release()
             raise
+        finally:
+            view.release()
         if lock is not None:
             try:
                 self._writes.put_nowait(_Write(ident, index, first, buffer, lock))
@@ -190,7 +191,7 @@ class CacheFeed(ExternalFeed):
     def _write_loop(self) -> None:
         while (write := self._writes.get()) is not None:
             try:
-                if self._store.write(write.ident, write.index, write.offset, write.data):
+                if self._store.write(write.ident, write.index, write.offset, write.data, self._piece):
                     self._count("cache_write_bytes", len(write.data))
             finally:
                 write.lock.release()

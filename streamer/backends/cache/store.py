@@ -1,12 +1,20 @@
 """The cache directory: one file per cached chunk of an object, checked on every read.
 
-Layout: ``<dir>/v1/<identity>/<index>.chunk`` where ``identity`` hashes the object's endpoint,
+Layout: ``<dir>/v2/<identity>/<index>.chunk`` where ``identity`` hashes the object's endpoint,
 bucket, key, size and ETag (a replaced object is another directory: a miss, never stale bytes)
-and ``index`` is the chunk's place on a fixed grid of object offsets. A chunk file is a 32-byte
-head (magic, offset, length, xxh3_64 of the data) and the data. It is written to a temporary
-name, fsynced, and renamed into place, so a crash or a full disk leaves at most a temporary file,
-never a visible torn chunk; every read checks length and checksum, and a chunk that fails is
-deleted and counted. There is no index file: what is on disk is the index (scanned at open).
+and ``index`` is the chunk's place on a fixed grid of object offsets. A chunk file is a head of
+``HEAD_BYTES`` (magic, offset, length, piece size, the xxh3_64 of every piece of the data, and
+the xxh3_64 of all that) and the data, which starts on a ``native.DIRECT_ALIGNMENT`` boundary so
+hits are read like local checkpoint files: O_DIRECT, straight into the run's buffers.
+
+Every piece a read touches is checked before the read returns, so a bad piece is never handed
+on: a block needing part of a chunk reads and checks only the pieces under it. A chunk that
+fails (torn, truncated, flipped bit, foreign head) is deleted and counted; its reader fetches it
+again. Writes go to a temporary name renamed into place, so readers never see a half-written
+chunk; there is no fsync per chunk: a chunk whose data did not reach the disk before a crash
+fails its checksums and is fetched again, which is what an fsync would have bought, without
+stalling the writer on the device. There is no index file: what is on disk is the index
+(scanned at open, when temporary files of dead processes are removed).
 
 Processes of a node share the directory without a daemon: ``<index>.lock`` files held with
 ``flock`` (per open file description, so threads of one process exclude each other too) make
@@ -29,11 +37,23 @@ import warnings
 
 import xxhash
 
-_MAGIC = b"STRMCH01"
-_HEAD = struct.Struct("<8sQQQ")  # magic, object offset, length, xxh3_64 of the data
+from streamer.engine import native
+
+_MAGIC = b"STRMCH02"
+_FIXED = struct.Struct("<8sQQQQ")  # magic, object offset, length, piece bytes, xxh3_64 of the head
+HEAD_BYTES = native.DIRECT_ALIGNMENT
+_MAX_PIECES = (HEAD_BYTES - _FIXED.size) // 8
+_MIN_PIECE = 16 << 10  # fewer, larger pieces: one checksum call per piece is Python overhead
 _SUFFIX = ".chunk"
 _TMP = ".tmp."
 _WAIT_STEP = 0.002  # seconds between tries of a lock another process holds
+
+
+def piece_bytes(chunk_bytes: int) -> int:
+    """The checksummed piece of a chunk: at most 128 of them, each a multiple of 4 KiB."""
+    alignment = native.DIRECT_ALIGNMENT
+    wanted = max(_MIN_PIECE, -(-chunk_bytes // 128))
+    return -(-wanted // alignment) * alignment
 
 
 class CacheWarning(RuntimeWarning):
@@ -63,10 +83,11 @@ class ChunkStore:
     """The cache directory ``root`` holding at most ``max_bytes`` of chunk data."""
 
     def __init__(self, root: str, max_bytes: int) -> None:
-        self._root = os.path.join(root, "v1")
+        self._root = os.path.join(root, "v2")
         self._max_bytes = max_bytes
         self._mutex = threading.Lock()
         self._writable = True
+        self._direct = hasattr(os, "O_DIRECT")
         self._warned = False
         self.errors = 0  # chunks that failed their check (deleted, refetched)
         try:
@@ -82,30 +103,104 @@ class ChunkStore:
     def _path(self, ident: str, index: int) -> str:
         return os.path.join(self._root, ident, f"{index}{_SUFFIX}")
 
-    def read(self, ident: str, index: int, offset: int, length: int) -> bytes | None:
-        """The chunk's data if it is cached and intact; a chunk that fails its check is deleted."""
+    def read_into(self, ident: str, index: int, offset: int, length: int, low: int, out: memoryview) -> bool:
+        """Fills ``out`` with the object's bytes ``[low, low + len(out))`` from chunk ``index``
+        (object bytes ``[offset, offset + length)``), every piece under them checked; False when
+        the chunk is not cached or fails a check (it is then deleted, and ``out`` may hold junk)."""
         path = self._path(ident, index)
         try:
-            with open(path, "rb") as file:
-                raw = file.read(_HEAD.size + length + 1)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return None
-        if len(raw) == _HEAD.size + length:
-            magic, got_offset, got_length, digest = _HEAD.unpack_from(raw)
-            data = raw[_HEAD.size :]
-            if (magic, got_offset, got_length) == (_MAGIC, offset, length) and xxhash.xxh3_64_intdigest(
-                data
-            ) == digest:
-                with contextlib.suppress(OSError):
-                    os.utime(path)  # LRU: most recently used
-                return data
+            return False
+        try:
+            intact = self._read_checked(fd, offset, length, low - offset, out)
+        except OSError:
+            intact = False
+        finally:
+            os.close(fd)
+        if intact:
+            with contextlib.suppress(OSError):
+                os.utime(path)  # LRU: most recently used
+            return True
         try:
             os.unlink(path)  # whoever removes it counts it (two readers of one bad chunk: one error)
         except OSError:
-            return None
+            return False
         with self._mutex:
             self.errors += 1
-        return None
+        return False
+
+    def _read_checked(self, fd: int, offset: int, length: int, start: int, out: memoryview) -> bool:
+        head = os.pread(fd, HEAD_BYTES, 0)
+        if len(head) != HEAD_BYTES or os.fstat(fd).st_size != HEAD_BYTES + length:
+            return False
+        magic, got_offset, got_length, piece, head_digest = _FIXED.unpack_from(head)
+        if (magic, got_offset, got_length) != (_MAGIC, offset, length) or piece <= 0:
+            return False
+        count = -(-length // piece)
+        if count > _MAX_PIECES:
+            return False
+        digests = struct.unpack_from(f"<{count}Q", head, _FIXED.size)
+        fixed = _FIXED.pack(magic, offset, length, piece, 0)
+        if xxhash.xxh3_64_intdigest(fixed + head[_FIXED.size : _FIXED.size + 8 * count]) != head_digest:
+            return False
+        end = start + len(out)
+        first, last = start // piece, (end - 1) // piece  # the pieces under [start, end)
+        inner_first = first if start == first * piece else first + 1
+        inner_end = last + 1 if end == min((last + 1) * piece, length) else last
+        for edge in sorted(p for p in {first, last} if not inner_first <= p < inner_end):
+            begin = edge * piece
+            data = os.pread(fd, min(piece, length - begin), HEAD_BYTES + begin)
+            if len(data) != min(piece, length - begin) or xxhash.xxh3_64_intdigest(data) != digests[edge]:
+                return False
+            low, high = max(start, begin), min(end, begin + len(data))
+            out[low - start : high - start] = data[low - begin : high - begin]
+        if inner_first < inner_end:
+            begin, stop = inner_first * piece, min(inner_end * piece, length)
+            inner = out[begin - start : stop - start]
+            if not self._read_exact(fd, inner, HEAD_BYTES + begin):
+                return False
+            for number in range(inner_first, inner_end):
+                low = number * piece - begin
+                if xxhash.xxh3_64_intdigest(inner[low : low + piece]) != digests[number]:
+                    return False
+        return True
+
+    def _read_exact(self, fd: int, out: memoryview, position: int) -> bool:
+        """Reads ``len(out)`` bytes at ``position``: O_DIRECT for the aligned part where the file
+        system and ``out``'s address allow it (no page-cache copy, like local checkpoint files),
+        buffered for the rest."""
+        alignment = native.DIRECT_ALIGNMENT
+        done = 0
+        direct = len(out) - len(out) % alignment
+        if self._direct and direct and native.address(native.ffi.from_buffer(out)) % alignment == 0:
+            done = self._read_direct(fd, out[:direct], position)
+        while done < len(out):
+            got = os.preadv(fd, [out[done:]], position + done)
+            if got <= 0:
+                return False
+            done += got
+        return True
+
+    def _read_direct(self, fd: int, out: memoryview, position: int) -> int:
+        """Bytes of ``out`` read with O_DIRECT (0 where the file system refuses it: tmpfs)."""
+        try:
+            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError:
+            self._direct = False
+            return 0
+        done = 0
+        try:
+            while done < len(out):
+                got = os.preadv(direct_fd, [out[done:]], position + done)
+                if got <= 0:
+                    break
+                done += got
+        except OSError:
+            done -= done % native.DIRECT_ALIGNMENT
+        finally:
+            os.close(direct_fd)
+        return done
 
     def lock(self, ident: str, index: int, wait: float) -> ChunkLock | None:
         """The chunk's lock, waiting up to ``wait`` seconds for another filler; None when the
@@ -136,19 +231,24 @@ class ChunkStore:
                 self._disable(error)
                 return None
 
-    def write(self, ident: str, index: int, offset: int, data: bytes | bytearray) -> bool:
-        """Stores a chunk durably (temp file, fsync, rename); False when it was not stored."""
-        if not self._writable or len(data) > self._max_bytes:
+    def write(self, ident: str, index: int, offset: int, data: bytes | bytearray, piece: int) -> bool:
+        """Stores a chunk (temporary file renamed into place, checksummed in pieces of ``piece``
+        bytes); False when it was not stored."""
+        if not self._writable or HEAD_BYTES + len(data) > self._max_bytes:
             return False
         path = self._path(ident, index)
         temporary = f"{path}{_TMP}{os.getpid()}.{threading.get_ident()}"
-        head = _HEAD.pack(_MAGIC, offset, len(data), xxhash.xxh3_64_intdigest(data))
+        view = memoryview(data)
+        digests = [xxhash.xxh3_64_intdigest(view[at : at + piece]) for at in range(0, len(data), piece)]
+        table = struct.pack(f"<{len(digests)}Q", *digests)
+        head_digest = xxhash.xxh3_64_intdigest(_FIXED.pack(_MAGIC, offset, len(data), piece, 0) + table)
+        head = _FIXED.pack(_MAGIC, offset, len(data), piece, head_digest) + table
         try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                _write_all(fd, head)
-                _write_all(fd, memoryview(data))
-                os.fdatasync(fd)
+                _write_all(fd, head.ljust(HEAD_BYTES, b"\0"))
+                _write_all(fd, view)
             finally:
                 os.close(fd)
             os.replace(temporary, path)
@@ -158,7 +258,7 @@ class ChunkStore:
             self._disable(error)
             return False
         with self._mutex:
-            self._used += _HEAD.size + len(data)
+            self._used += HEAD_BYTES + len(data)
             over = self._used > self._max_bytes
         if over:
             self.evict()

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""The node cache in front of S3 (``StreamerConfig.cache``): second start against first, against
+the same checkpoint as plain local files, and against Run:ai's S3 loader, paired by round.
+
+    python benchmarks/s3_cache.py --local DIR --source s3://bench/ckpt-4GiB-2/ --repeat 5
+
+``DIR`` holds the checkpoint's files, ``--source`` the same files in a bucket (``s3_load.py
+--keep DIR`` generates and uploads both; point ``AWS_ENDPOINT_URL`` at the shaped endpoint).
+Every round runs, in a rotating order and each in a fresh process (``streamer.bench.child``):
+
+  - "local cold":  streamer from ``DIR``, its page cache evicted;
+  - "hit cold":    streamer from S3 through a full cache, the cache's files evicted (the
+                   second start on a node whose page cache has moved on);
+  - "fill":        streamer from S3 into an emptied cache (the first start);
+  - "no cache":    streamer from S3 without a cache;
+  - "runai s3":    Run:ai's S3 loader, when ``runai_model_streamer_s3`` is installed.
+
+Reported: median seconds, and the paired per-round ratios the issue's goals are about, with
+bootstrap intervals (``streamer.bench.stats``): local cold ÷ hit cold (≥ 0.9: hits read at disk
+speed), no cache ÷ fill (≥ 0.9: filling costs the first start little), and the first and second
+start against Run:ai.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from streamer.bench import stats
+from streamer.bench.child import RESULT_MARK
+
+SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")
+RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
+    ("local cold", "hit cold", "hit faster than local files"),
+    ("no cache", "fill", "fill faster than no cache"),
+    ("runai s3", "fill", "first start faster than Run:ai"),
+    ("runai s3", "hit cold", "second start faster than Run:ai"),
+    ("no cache", "hit cold", "second start faster than the first without cache"),
+)
+
+
+def run_child(request: dict[str, Any], cache_dir: Path | None) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k != "STREAMER_CACHE_DIR"}
+    if cache_dir is not None:
+        env["STREAMER_CACHE_DIR"] = str(cache_dir)
+    done = subprocess.run(
+        [sys.executable, "-m", "streamer.bench.child", json.dumps(request)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=1800,
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if not lines:
+        raise RuntimeError(f"child printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1][len(RESULT_MARK) :])
+    if not result["ok"]:
+        raise RuntimeError(result["error"])
+    return result
+
+
+def chunk_files(cache_dir: Path) -> list[str]:
+    return sorted(str(p) for p in cache_dir.glob("v*/*/*.chunk"))
+
+
+def request(loader: str, source: str, files: list[str], cache: str | None) -> dict[str, Any]:
+    return {
+        "action": "load",
+        "loader": loader,
+        "source": source,
+        "files": files,
+        "device": "cpu",
+        "knobs": {},
+        "cache": cache,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--local", type=Path, required=True, help="the checkpoint's directory")
+    parser.add_argument("--source", required=True, help="the same files in S3: s3://bucket/prefix/")
+    parser.add_argument("--work", type=Path, default=Path("/var/tmp/streamer-cache-bench"))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    local_files = sorted(str(p) for p in args.local.glob("*.safetensors"))
+    remote_files = [args.source.rstrip("/") + "/" + Path(p).name for p in local_files]
+    full, filling = args.work / "full", args.work / "filling"
+    shutil.rmtree(args.work, ignore_errors=True)
+    run_child(request("streamer", args.source, [], None), full)  # the cache every hit reads
+    try:
+        import runai_model_streamer_s3  # noqa: F401
+
+        settings = list(SETTINGS)
+    except ImportError:
+        settings = [s for s in SETTINGS if s != "runai s3"]
+        print("runai_model_streamer_s3 is not installed: no Run:ai figures", flush=True)
+
+    seconds: dict[str, dict[int, float]] = {s: {} for s in settings}
+    records: list[dict[str, Any]] = []
+    for round_number in range(args.repeat):
+        shift = round_number % len(settings)
+        for setting in settings[shift:] + settings[:shift]:
+            cache_dir: Path | None = None
+            if setting == "local cold":
+                req = request("streamer", str(args.local), local_files, "cold")
+            elif setting == "hit cold":
+                cache_dir = full
+                req = request("streamer", args.source, chunk_files(full), "cold")
+            elif setting == "fill":
+                shutil.rmtree(filling, ignore_errors=True)
+                cache_dir = filling
+                req = request("streamer", args.source, [], None)
+            elif setting == "no cache":
+                req = request("streamer", args.source, [], None)
+            else:
+                req = request("runai", args.source, remote_files, None)
+            result = run_child(req, cache_dir)
+            seconds[setting][round_number] = result["seconds"]
+            metrics = result.get("metrics") or {}
+            cached = {k: metrics.get(k) for k in ("cache_hit_bytes", "cache_miss_bytes", "cache_write_bytes")}
+            records.append({"round": round_number, "setting": setting, **result})
+            print(
+                f"round {round_number} {setting:>10}: {result['seconds']:7.3f} s "
+                f"{result['bytes'] / result['seconds'] / 1e9:5.2f} GB/s cpu {result['cpu_seconds']:.2f} s "
+                f"faults {result['minor_faults']} {cached if cache_dir else ''}",
+                flush=True,
+            )
+    shutil.rmtree(args.work, ignore_errors=True)
+
+    print(
+        "\nmedian seconds: "
+        + ", ".join(f"{s} {statistics.median(seconds[s].values()):.3f}" for s in settings)
+    )
+    verdicts = []
+    for numerator, denominator, meaning in RATIOS:
+        if numerator not in seconds or denominator not in seconds:
+            continue
+        # compare(ours, theirs) is theirs / ours per round: the numerator is "theirs".
+        paired = stats.compare(seconds[denominator], seconds[numerator])
+        verdicts.append({"ratio": f"{numerator} / {denominator}", **paired.__dict__})
+        low = "-" if paired.low is None else f"{paired.low:.2f}"
+        high = "-" if paired.high is None else f"{paired.high:.2f}"
+        ratio = "-" if paired.ratio is None else f"{paired.ratio:.2f}"
+        print(f"{numerator} / {denominator}: {ratio} [{low}, {high}] ({paired.verdict}; above 1: {meaning})")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"runs": records, "ratios": verdicts}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""The cache's chunk files on their own: any window of a chunk reads back exactly, straight into
+the caller's memory (O_DIRECT where aligned, buffered elsewhere), and every way a chunk file can
+be wrong (a flipped bit in any piece or in its head, a cut, a foreign chunk) fails the read and
+removes the file, whichever part of the chunk the read wanted."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xxhash")
+
+from streamer.backends.cache import store as cache_store
+from streamer.backends.cache.store import HEAD_BYTES, ChunkStore, piece_bytes
+
+IDENT = "0123456789abcdef0123456789abcdef"
+CHUNK = 1 << 20
+OFFSET = 3 * CHUNK  # the chunk's place in its object
+PIECE = piece_bytes(CHUNK)
+
+
+def chunk_data(length: int = CHUNK - 5) -> bytes:
+    return random.Random(length).randbytes(length)
+
+
+def stored(tmp_path: Path, data: bytes) -> tuple[ChunkStore, Path]:
+    store = ChunkStore(str(tmp_path), 1 << 30)
+    assert store.write(IDENT, 3, OFFSET, data, PIECE)
+    return store, tmp_path / "v2" / IDENT / "3.chunk"
+
+
+def windows(length: int) -> list[tuple[int, int]]:
+    """Whole, aligned, piece-straddling, one-byte and tail windows of a chunk of ``length``."""
+    edges = [0, 1, 4095, 4096, PIECE - 1, PIECE, PIECE + 4096, 3 * PIECE + 7, length - 4097, length - 1]
+    found = {(0, length), (PIECE, 3 * PIECE), (5, length), (0, length - 3), (length - 1, length)}
+    found |= {(a, b) for a in edges for b in edges if a < b <= length}
+    return sorted(found)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
+def test_every_window_reads_back_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    data = chunk_data()
+    store, _ = stored(tmp_path, data)
+    store._direct = direct
+    direct_bytes = 0
+    read_direct = ChunkStore._read_direct
+
+    def counted(self: ChunkStore, fd: int, out: memoryview, position: int) -> int:
+        nonlocal direct_bytes
+        done = read_direct(self, fd, out, position)
+        direct_bytes += done
+        return done
+
+    monkeypatch.setattr(ChunkStore, "_read_direct", counted)
+    memory = mmap.mmap(-1, CHUNK + 8192)  # page-aligned, as the run's buffers are
+    for shift in (0, 4096, 1):  # aligned, aligned elsewhere, unaligned memory
+        for low, high in windows(len(data)):
+            out = memoryview(memory)[shift + low : shift + high]
+            out[:] = b"\xee" * (high - low)
+            assert store.read_into(IDENT, 3, OFFSET, len(data), OFFSET + low, out), (shift, low, high)
+            assert out == data[low:high], (shift, low, high)
+            out.release()
+    memory.close()
+    assert (direct_bytes > 0) == direct
+    assert store.errors == 0
+
+
+def corruptions(length: int) -> list[tuple[str, int]]:
+    """(what, byte of the file to flip)."""
+    return [
+        ("magic", 0),
+        ("offset", 8),
+        ("length", 16),
+        ("piece size", 24),
+        ("head checksum", 32),
+        ("first piece checksum", 40),
+        ("last piece checksum", 40 + 8 * (-(-length // PIECE) - 1)),
+        ("first byte", HEAD_BYTES),
+        ("middle piece", HEAD_BYTES + length // 2),
+        ("last byte", HEAD_BYTES + length - 1),
+    ]
+
+
+@pytest.mark.parametrize("what,position", corruptions(CHUNK - 5))
+def test_a_flipped_bit_fails_every_read_that_touches_it(tmp_path: Path, what: str, position: int) -> None:
+    data = chunk_data()
+    for number, (low, high) in enumerate(
+        [(0, len(data)), (position - HEAD_BYTES - 1, position - HEAD_BYTES + 2)]
+    ):
+        if low < 0:
+            continue  # a head byte: the whole-chunk read covers it
+        store, path = stored(tmp_path / str(number), data)
+        raw = bytearray(path.read_bytes())
+        raw[position] ^= 0x10
+        path.write_bytes(bytes(raw))
+        out = memoryview(bytearray(high - low))
+        assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET + low, out), what
+        assert store.errors == 1 and not path.exists()
+
+
+def test_cut_foreign_and_missing_chunks_are_misses(tmp_path: Path) -> None:
+    data = chunk_data()
+    out = memoryview(bytearray(len(data)))
+    store, path = stored(tmp_path, data)
+    assert not store.read_into(IDENT, 3, OFFSET + CHUNK, len(data), OFFSET + CHUNK, out)  # another place
+    assert store.errors == 1 and not path.exists()
+    store, path = stored(tmp_path, data)
+    os.truncate(path, HEAD_BYTES + len(data) - 100)
+    assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out)
+    assert store.errors == 1
+    assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out)  # gone: a miss, not an error
+    assert store.errors == 1
+
+
+def test_the_head_padding_is_not_data(tmp_path: Path) -> None:
+    """Bytes between the piece table and the data belong to nothing: a chunk still reads."""
+    data = chunk_data()
+    store, path = stored(tmp_path, data)
+    raw = bytearray(path.read_bytes())
+    raw[HEAD_BYTES - 1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    out = memoryview(bytearray(len(data)))
+    assert store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out) and out == data
+
+
+def test_pieces_fit_the_head_for_any_chunk_size() -> None:
+    for chunk in (4096, 64 << 10, 1 << 20, 8 << 20, 64 << 20, 1 << 30):
+        piece = piece_bytes(chunk)
+        assert piece % 4096 == 0 and -(-chunk // piece) <= 128
+    assert cache_store._MAX_PIECES >= 128
