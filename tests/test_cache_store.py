@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("xxhash")
 
 from streamer.backends.cache import store as cache_store
-from streamer.backends.cache.store import HEAD_BYTES, ChunkStore, piece_bytes
+from streamer.backends.cache.store import HEAD_BYTES, ChunkBuffer, ChunkStore, piece_bytes
 
 IDENT = "0123456789abcdef0123456789abcdef"
 CHUNK = 1 << 20
@@ -27,9 +27,14 @@ def chunk_data(length: int = CHUNK - 5) -> bytes:
     return random.Random(length).randbytes(length)
 
 
-def stored(tmp_path: Path, data: bytes) -> tuple[ChunkStore, Path]:
+def stored(tmp_path: Path, data: bytes, *, direct: bool = True) -> tuple[ChunkStore, Path]:
+    """A store holding ``data`` as chunk 3, written and read with O_DIRECT or buffered."""
     store = ChunkStore(str(tmp_path), 1 << 30)
-    assert store.write(IDENT, 3, OFFSET, data, PIECE)
+    store._direct = direct
+    chunk = ChunkBuffer(len(data))
+    with chunk.data as view:
+        view[:] = data
+    assert store.write(IDENT, 3, OFFSET, chunk, PIECE)
     return store, tmp_path / "v2" / IDENT / "3.chunk"
 
 
@@ -46,8 +51,8 @@ def test_every_window_reads_back_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
     data = chunk_data()
-    store, _ = stored(tmp_path, data)
-    store._direct = direct
+    store, path = stored(tmp_path, data, direct=direct)
+    assert path.stat().st_size == HEAD_BYTES + len(data)  # the write's alignment padding cut off
     direct_bytes = 0
     read_direct = ChunkStore._read_direct
 

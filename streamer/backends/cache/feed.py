@@ -3,11 +3,12 @@
 A block's credited bytes ``[acc_begin, acc_end)`` are cut on the cache's fixed grid of object
 offsets (``chunk_bytes``). The grid belongs to the object, not to the run: the planner's blocks
 start at each segment's aligned start, so a block usually covers the end of one chunk and the
-start of the next. A chunk missing from the cache is fetched whole from S3 into a private buffer
-(one ranged GET), its part copied into the run's buffer, and the buffer handed to a writer thread;
-so every chunk a full load touches is cached, and a later load of any subset, layout or TP rank
-finds its bytes. The private buffer costs one copy on a miss but frees the run's buffer at once:
-it is credited (and may be reused by the run) before the cache write has even started.
+start of the next. A chunk missing from the cache is fetched whole from S3 (one ranged GET) into
+a private, page-aligned buffer, its part copied into the run's buffer, and the buffer handed to a
+writer thread, which writes it (O_DIRECT, head and all, in one call); so every chunk a full load
+touches is cached, and a later load of any subset, layout or TP rank finds its bytes. The private
+buffer costs one copy on a miss but frees the run's buffer at once: it is credited (and may be
+reused by the run) before the cache write has even started.
 
 Worker threads (``s3.concurrency`` of them) fetch through the shared S3 client; threads of one
 run needing the same chunk share one fetch (in memory), and processes of a node share one through
@@ -24,9 +25,10 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from streamer.backends.base import ExternalFeed, Named, tensor_at
-from streamer.backends.cache.store import ChunkLock, ChunkStore, piece_bytes
+from streamer.backends.cache.store import ChunkBuffer, ChunkLock, ChunkStore, piece_bytes
 from streamer.backends.http import Connection
 from streamer.backends.s3.client import S3Client
 from streamer.backends.s3.uri import ObjectInfo
@@ -37,11 +39,13 @@ _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fe
 _WRITE_QUEUE = 16  # chunks waiting for the writer at most
 
 
+@dataclass(frozen=True, slots=True)
 class _Write:
-    __slots__ = ("data", "ident", "index", "lock", "offset")
-
-    def __init__(self, ident: str, index: int, offset: int, data: bytearray, lock: ChunkLock) -> None:
-        self.ident, self.index, self.offset, self.data, self.lock = ident, index, offset, data, lock
+    key: tuple[int, int]  # (engine file, chunk index)
+    ident: str
+    offset: int
+    data: ChunkBuffer
+    lock: ChunkLock
 
 
 class CacheFeed(ExternalFeed):
@@ -67,7 +71,7 @@ class CacheFeed(ExternalFeed):
         self._tensors = tensors
         self._counted = (client.requests, client.retries, client.bytes_fetched, store.errors)
         self._mutex = threading.Lock()
-        self._filling: dict[tuple[int, int], Future[tuple[bytes | bytearray, bool]]] = {}
+        self._filling: dict[tuple[int, int], Future[tuple[ChunkBuffer, bool]]] = {}
         self._counters = {
             "cache_hit_bytes": 0,
             "cache_miss_bytes": 0,
@@ -115,8 +119,9 @@ class CacheFeed(ExternalFeed):
                 if self._store.read_into(self._idents[block.file], index, first, last - first, low, part):
                     self._count("cache_hit_bytes", high - low)
                     continue
-                data, cached = self._chunk_data(connection, block.file, index, first, last)
-                part[:] = memoryview(data)[low - first : high - first]
+                chunk, cached = self._chunk_data(connection, block.file, index, first, last)
+                with chunk.data as data:
+                    part[:] = data[low - first : high - first]
                 self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
         except S3Error as error:
             self.fail(error, block)
@@ -136,41 +141,55 @@ class CacheFeed(ExternalFeed):
 
     def _chunk_data(
         self, connection: Connection, file: int, index: int, first: int, last: int
-    ) -> tuple[bytes | bytearray, bool]:
+    ) -> tuple[ChunkBuffer, bool]:
         """Chunk ``index`` of engine file ``file``, not found in the cache, and whether another
         process filled it meanwhile (else it came from S3, fetched by this thread or another of
-        the run)."""
+        the run). A fetched chunk stays shared in memory until it is written: the next block,
+        needing the rest of it, must not wait for the writer."""
+        key = (file, index)
         with self._mutex:
-            shared = self._filling.get((file, index))
+            shared = self._filling.get(key)
             mine = shared is None
             if mine:
-                shared = self._filling[(file, index)] = Future()
+                shared = self._filling[key] = Future()
         assert shared is not None
         if not mine:
-            return shared.result()  # another thread of this run fetches it
+            return shared.result()  # another thread of this run fetched it, or fetches it now
         try:
-            fetched = self._fill(connection, file, index, first, last)
+            chunk, cached, lock = self._fill(connection, file, index, first, last)
         except BaseException as error:
             shared.set_exception(error)
+            self._forget(key)
             raise
-        else:
-            shared.set_result(fetched)
-        finally:
-            with self._mutex:
-                del self._filling[(file, index)]
-        return fetched
+        shared.set_result((chunk, cached))
+        if lock is None:
+            self._forget(key)
+            return chunk, cached
+        try:
+            self._writes.put_nowait(_Write(key, self._idents[file], first, chunk, lock))
+        except queue.Full:
+            self._forget(key)
+            lock.release()
+            self._count("cache_dropped", 1)
+        return chunk, cached
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        with self._mutex:
+            del self._filling[key]
 
     def _fill(
         self, connection: Connection, file: int, index: int, first: int, last: int
-    ) -> tuple[bytes | bytearray, bool]:
+    ) -> tuple[ChunkBuffer, bool, ChunkLock | None]:
+        """The chunk (from the cache if another process filled it while we waited for its lock,
+        else from S3) and, when it is ours to write, its lock."""
         ident = self._idents[file]
         lock = self._store.lock(ident, index, _FILL_WAIT)
-        buffer = bytearray(last - first)
-        view = memoryview(buffer)
+        chunk = ChunkBuffer(last - first)
+        view = chunk.data
         try:
             if lock is not None and self._store.read_into(ident, index, first, last - first, first, view):
-                lock.release()  # another process filled it while we waited
-                return buffer, True
+                lock.release()
+                return chunk, True, None
             self._client.call(
                 self._client.fetch_into(connection, self._objects[file], first, last, view, until=self._until)
             )
@@ -180,20 +199,15 @@ class CacheFeed(ExternalFeed):
             raise
         finally:
             view.release()
-        if lock is not None:
-            try:
-                self._writes.put_nowait(_Write(ident, index, first, buffer, lock))
-            except queue.Full:
-                lock.release()
-                self._count("cache_dropped", 1)
-        return buffer, False
+        return chunk, False, lock
 
     def _write_loop(self) -> None:
         while (write := self._writes.get()) is not None:
             try:
-                if self._store.write(write.ident, write.index, write.offset, write.data, self._piece):
-                    self._count("cache_write_bytes", len(write.data))
+                if self._store.write(write.ident, write.key[1], write.offset, write.data, self._piece):
+                    self._count("cache_write_bytes", write.data.length)
             finally:
+                self._forget(write.key)  # before the lock: a waiter finds it in memory or on disk
                 write.lock.release()
 
     def _count(self, name: str, amount: int) -> None:
