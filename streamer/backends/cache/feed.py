@@ -39,12 +39,24 @@ _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fe
 _WRITE_QUEUE = 16  # chunks waiting for the writer at most
 
 
+class _Fetch:
+    """A chunk this run fetched (or is fetching), shared by every thread that needs it and by the
+    writer; its buffer goes back to the feed's spares when the last of them releases it."""
+
+    __slots__ = ("chunk", "result", "users")
+
+    def __init__(self) -> None:
+        self.chunk: ChunkBuffer | None = None
+        self.result: Future[bool] = Future()  # whether another process had filled it
+        self.users = 1  # guarded by the feed's mutex
+
+
 @dataclass(frozen=True, slots=True)
 class _Write:
     key: tuple[int, int]  # (engine file, chunk index)
     ident: str
     offset: int
-    data: ChunkBuffer
+    fetch: _Fetch
     lock: ChunkLock
 
 
@@ -71,7 +83,8 @@ class CacheFeed(ExternalFeed):
         self._tensors = tensors
         self._counted = (client.requests, client.retries, client.bytes_fetched, store.errors)
         self._mutex = threading.Lock()
-        self._filling: dict[tuple[int, int], Future[tuple[ChunkBuffer, bool]]] = {}
+        self._filling: dict[tuple[int, int], _Fetch] = {}
+        self._spare: list[ChunkBuffer] = []  # chunk buffers no fetch uses any more
         self._counters = {
             "cache_hit_bytes": 0,
             "cache_miss_bytes": 0,
@@ -119,9 +132,13 @@ class CacheFeed(ExternalFeed):
                 if self._store.read_into(self._idents[block.file], index, first, last - first, low, part):
                     self._count("cache_hit_bytes", high - low)
                     continue
-                chunk, cached = self._chunk_data(connection, block.file, index, first, last)
-                with chunk.data as data:
-                    part[:] = data[low - first : high - first]
+                fetch, cached = self._chunk_data(connection, block.file, index, first, last)
+                try:
+                    assert fetch.chunk is not None
+                    with fetch.chunk.data as data:
+                        part[:] = data[low - first : high - first]
+                finally:
+                    self._release(fetch)
                 self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
         except S3Error as error:
             self.fail(error, block)
@@ -141,55 +158,74 @@ class CacheFeed(ExternalFeed):
 
     def _chunk_data(
         self, connection: Connection, file: int, index: int, first: int, last: int
-    ) -> tuple[ChunkBuffer, bool]:
+    ) -> tuple[_Fetch, bool]:
         """Chunk ``index`` of engine file ``file``, not found in the cache, and whether another
         process filled it meanwhile (else it came from S3, fetched by this thread or another of
         the run). A fetched chunk stays shared in memory until it is written: the next block,
-        needing the rest of it, must not wait for the writer."""
+        needing the rest of it, must not wait for the writer. The caller releases it."""
         key = (file, index)
         with self._mutex:
-            shared = self._filling.get(key)
-            mine = shared is None
-            if mine:
-                shared = self._filling[key] = Future()
-        assert shared is not None
+            fetch = self._filling.get(key)
+            mine = fetch is None
+            if fetch is None:
+                fetch = self._filling[key] = _Fetch()
+            else:
+                fetch.users += 1
         if not mine:
-            return shared.result()  # another thread of this run fetched it, or fetches it now
+            try:
+                return fetch, fetch.result.result()  # another thread of this run fetches it
+            except BaseException:
+                self._release(fetch)
+                raise
         try:
-            chunk, cached, lock = self._fill(connection, file, index, first, last)
+            cached, lock = self._fill(connection, fetch, file, index, first, last)
         except BaseException as error:
-            shared.set_exception(error)
+            fetch.result.set_exception(error)
             self._forget(key)
+            self._release(fetch)
             raise
-        shared.set_result((chunk, cached))
+        fetch.result.set_result(cached)
         if lock is None:
             self._forget(key)
-            return chunk, cached
+            return fetch, cached
+        with self._mutex:
+            fetch.users += 1  # the writer's
         try:
-            self._writes.put_nowait(_Write(key, self._idents[file], first, chunk, lock))
+            self._writes.put_nowait(_Write(key, self._idents[file], first, fetch, lock))
         except queue.Full:
             self._forget(key)
+            self._release(fetch)
             lock.release()
             self._count("cache_dropped", 1)
-        return chunk, cached
+        return fetch, cached
 
     def _forget(self, key: tuple[int, int]) -> None:
         with self._mutex:
             del self._filling[key]
 
+    def _release(self, fetch: _Fetch) -> None:
+        """One user of ``fetch`` is done with its chunk; the last one gives it back for reuse."""
+        with self._mutex:
+            fetch.users -= 1
+            if fetch.users == 0 and fetch.chunk is not None:
+                self._spare.append(fetch.chunk)
+
     def _fill(
-        self, connection: Connection, file: int, index: int, first: int, last: int
-    ) -> tuple[ChunkBuffer, bool, ChunkLock | None]:
-        """The chunk (from the cache if another process filled it while we waited for its lock,
-        else from S3) and, when it is ours to write, its lock."""
+        self, connection: Connection, fetch: _Fetch, file: int, index: int, first: int, last: int
+    ) -> tuple[bool, ChunkLock | None]:
+        """Lands the chunk in ``fetch.chunk``: from the cache if another process filled it while we
+        waited for its lock (True), else from S3; and, when it is ours to write, its lock."""
         ident = self._idents[file]
         lock = self._store.lock(ident, index, _FILL_WAIT)
-        chunk = ChunkBuffer(last - first)
+        with self._mutex:
+            chunk = self._spare.pop() if self._spare else ChunkBuffer(self._chunk)
+        chunk.length = last - first
+        fetch.chunk = chunk
         view = chunk.data
         try:
             if lock is not None and self._store.read_into(ident, index, first, last - first, first, view):
                 lock.release()
-                return chunk, True, None
+                return True, None
             self._client.call(
                 self._client.fetch_into(connection, self._objects[file], first, last, view, until=self._until)
             )
@@ -199,15 +235,17 @@ class CacheFeed(ExternalFeed):
             raise
         finally:
             view.release()
-        return chunk, False, lock
+        return False, lock
 
     def _write_loop(self) -> None:
         while (write := self._writes.get()) is not None:
             try:
-                if self._store.write(write.ident, write.key[1], write.offset, write.data, self._piece):
-                    self._count("cache_write_bytes", write.data.length)
+                assert write.fetch.chunk is not None
+                if self._store.write(write.ident, write.key[1], write.offset, write.fetch.chunk, self._piece):
+                    self._count("cache_write_bytes", write.fetch.chunk.length)
             finally:
                 self._forget(write.key)  # before the lock: a waiter finds it in memory or on disk
+                self._release(write.fetch)
                 write.lock.release()
 
     def _count(self, name: str, amount: int) -> None:

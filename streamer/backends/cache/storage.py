@@ -18,6 +18,10 @@ from streamer.sources import SourceLike
 class CachedS3Storage(Storage):
     """``inner`` with the cache ``config`` describes; the directory is opened on the first run."""
 
+    # Threads copy from chunk buffers and read hits with O_DIRECT: fresh run buffers are best
+    # faulted in ahead of them by the prefaulter, as for the S3 feeder's one receiving thread.
+    one_receiver = True
+
     def __init__(self, inner: S3Storage, config: CacheConfig, endpoint: str | None) -> None:
         assert config.dir is not None
         self._inner = inner

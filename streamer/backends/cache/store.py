@@ -68,29 +68,35 @@ def identity(endpoint: str | None, bucket: str, key: str, size: int, etag: str |
 
 
 class ChunkBuffer:
-    """Page-aligned memory for one chunk of ``length`` bytes behind room for its head: a fill
-    lands in ``data``, is copied out to the run, and is written (O_DIRECT) with no other copy.
-    Freed when the last reference goes (the run's threads sharing a fetch hold it too)."""
+    """Page-aligned memory for a chunk of up to ``capacity`` bytes behind room for its head: a
+    fill lands in ``data``, is copied out to the run, and is written (O_DIRECT) with no other
+    copy. Feeds reuse them: fresh memory costs a zeroing fault per page, here the largest cost
+    of a fill."""
 
-    def __init__(self, length: int) -> None:
-        alignment = native.DIRECT_ALIGNMENT
-        self.length = length
-        size = -(-(HEAD_BYTES + length) // alignment) * alignment
+    def __init__(self, capacity: int) -> None:
+        self.length = capacity
         # Private: Python's default anonymous map is shared memory, which THP leaves in 4 KiB pages.
-        self._memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._memory = mmap.mmap(
+            -1, _aligned(HEAD_BYTES + capacity), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
         with contextlib.suppress(AttributeError, OSError):
-            self._memory.madvise(mmap.MADV_HUGEPAGE)  # 8 MiB of fresh pages: ~500 faults, not 2,048
+            self._memory.madvise(mmap.MADV_HUGEPAGE)
 
     @property
     def data(self) -> memoryview:
+        """The chunk's ``length`` bytes."""
         return memoryview(self._memory)[HEAD_BYTES : HEAD_BYTES + self.length]
 
     def file_image(self, head: bytes) -> memoryview:
         """The whole chunk file, ``head`` written in front of the data, padded to the alignment."""
-        image = memoryview(self._memory)
+        image = memoryview(self._memory)[: _aligned(HEAD_BYTES + self.length)]
         image[: len(head)] = head
         image[len(head) : HEAD_BYTES] = bytes(HEAD_BYTES - len(head))
         return image
+
+
+def _aligned(size: int) -> int:
+    return -(-size // native.DIRECT_ALIGNMENT) * native.DIRECT_ALIGNMENT
 
 
 class ChunkLock:
