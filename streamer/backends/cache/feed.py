@@ -36,26 +36,27 @@ from streamer.engine import native
 from streamer.errors import S3Error, StreamerError
 
 _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fetching itself
-_WRITE_QUEUE = 16  # chunks waiting for the writer at most
+_WRITE_QUEUE = 16  # chunks waiting for the writers at most
+_WRITERS = 2  # one O_DIRECT write each in flight: a single one left the device idle between chunks
 
 
 class _Fetch:
-    """A chunk this run fetched (or is fetching), shared by every thread that needs it and by the
+    """A chunk this run fetches, shared by every block that needs it, by its fetcher and by the
     writer; its buffer goes back to the feed's spares when the last of them releases it."""
 
-    __slots__ = ("chunk", "result", "users")
+    __slots__ = ("chunk", "first", "key", "last", "result", "users")
 
-    def __init__(self) -> None:
+    def __init__(self, key: tuple[int, int], first: int, last: int) -> None:
+        self.key = key  # (engine file, chunk index)
+        self.first, self.last = first, last  # the chunk's object bytes
         self.chunk: ChunkBuffer | None = None
         self.result: Future[bool] = Future()  # whether another process had filled it
-        self.users = 1  # guarded by the feed's mutex
+        self.users = 1  # the block that asked for it; guarded by the feed's mutex
 
 
 @dataclass(frozen=True, slots=True)
 class _Write:
-    key: tuple[int, int]  # (engine file, chunk index)
     ident: str
-    offset: int
     fetch: _Fetch
     lock: ChunkLock
 
@@ -95,13 +96,22 @@ class CacheFeed(ExternalFeed):
         self._until = None if deadline is None else time.monotonic() + deadline
         self._blocks: queue.SimpleQueue[native.Block | None] = queue.SimpleQueue()
         self._writes: queue.Queue[_Write | None] = queue.Queue(_WRITE_QUEUE)
+        self._fetches: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
         self._closed = False
-        self._workers = [
-            threading.Thread(target=self._work, name="streamer-cache-read", daemon=True)
-            for _ in range(client.config.concurrency)
+        concurrency = client.config.concurrency
+        self._servers = [
+            threading.Thread(target=self._serve_loop, name="streamer-cache-serve", daemon=True)
+            for _ in range(concurrency)
         ]
-        self._writer = threading.Thread(target=self._write_loop, name="streamer-cache-write", daemon=True)
-        for thread in (*self._workers, self._writer):
+        self._fetchers = [
+            threading.Thread(target=self._fetch_loop, name="streamer-cache-fetch", daemon=True)
+            for _ in range(concurrency)
+        ]
+        self._writers = [
+            threading.Thread(target=self._write_loop, name="streamer-cache-write", daemon=True)
+            for _ in range(_WRITERS)
+        ]
+        for thread in (*self._servers, *self._fetchers, *self._writers):
             thread.start()
 
     def submit(self, blocks: Sequence[native.Block]) -> None:
@@ -110,33 +120,41 @@ class CacheFeed(ExternalFeed):
         for block in blocks:
             self._blocks.put(block)
 
-    def _work(self) -> None:
-        connection = self._client.connection()
-        try:
-            while (block := self._blocks.get()) is not None:
-                if self._error is None:
-                    self._serve(connection, block)
-        finally:
-            connection.close()
+    def _serve_loop(self) -> None:
+        while (block := self._blocks.get()) is not None:
+            if self._error is None:
+                self._serve(block)
 
-    def _serve(self, connection: Connection, block: native.Block) -> None:
+    def _serve(self, block: native.Block) -> None:
+        """Lands ``block``: its cached chunks read in place, the others fetched all at once by the
+        fetchers (a block usually needs parts of two chunks) and copied in as they arrive."""
         info = self._objects[block.file]
         begin, end = block.acc_begin, block.acc_end
         view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
+        waiting: list[tuple[_Fetch, int, int, int]] = []  # (fetch, chunk's first byte, low, high)
         try:
             for index in range(begin // self._chunk, (end - 1) // self._chunk + 1):
                 first = index * self._chunk
                 last = min(first + self._chunk, info.size)
                 low, high = max(begin, first), min(end, last)
-                part = view[low - begin : high - begin]
-                if self._store.read_into(self._idents[block.file], index, first, last - first, low, part):
+                if self._store.read_into(
+                    self._idents[block.file],
+                    index,
+                    first,
+                    last - first,
+                    low,
+                    view[low - begin : high - begin],
+                ):
                     self._count("cache_hit_bytes", high - low)
-                    continue
-                fetch, cached = self._chunk_data(connection, block.file, index, first, last)
+                else:
+                    waiting.append((self._fetch(block.file, index, first, last), first, low, high))
+            while waiting:
+                fetch, first, low, high = waiting.pop(0)
                 try:
+                    cached = fetch.result.result()
                     assert fetch.chunk is not None
                     with fetch.chunk.data as data:
-                        part[:] = data[low - first : high - first]
+                        view[low - begin : high - begin] = data[low - first : high - first]
                 finally:
                     self._release(fetch)
                 self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
@@ -153,51 +171,59 @@ class CacheFeed(ExternalFeed):
             )
             return
         finally:
+            for fetch, *_ in waiting:
+                self._release(fetch)
             view.release()
         self.credit(block)
 
-    def _chunk_data(
-        self, connection: Connection, file: int, index: int, first: int, last: int
-    ) -> tuple[_Fetch, bool]:
-        """Chunk ``index`` of engine file ``file``, not found in the cache, and whether another
-        process filled it meanwhile (else it came from S3, fetched by this thread or another of
-        the run). A fetched chunk stays shared in memory until it is written: the next block,
-        needing the rest of it, must not wait for the writer. The caller releases it."""
+    def _fetch(self, file: int, index: int, first: int, last: int) -> _Fetch:
+        """The run's fetch of chunk ``index`` of engine file ``file``: the one under way (another
+        block needs the same chunk) or a new one queued for the fetchers. A fetched chunk stays
+        shared in memory until it is written, so the next block never waits for the writer. The
+        caller releases it."""
         key = (file, index)
         with self._mutex:
             fetch = self._filling.get(key)
-            mine = fetch is None
-            if fetch is None:
-                fetch = self._filling[key] = _Fetch()
-            else:
+            if fetch is not None:
                 fetch.users += 1
-        if not mine:
-            try:
-                return fetch, fetch.result.result()  # another thread of this run fetches it
-            except BaseException:
-                self._release(fetch)
-                raise
+                return fetch
+            fetch = self._filling[key] = _Fetch(key, first, last)
+        self._fetches.put(fetch)
+        return fetch
+
+    def _fetch_loop(self) -> None:
+        connection = self._client.connection()
         try:
-            cached, lock = self._fill(connection, fetch, file, index, first, last)
+            while (fetch := self._fetches.get()) is not None:
+                self._run_fetch(connection, fetch)
+        finally:
+            connection.close()
+
+    def _run_fetch(self, connection: Connection, fetch: _Fetch) -> None:
+        file, index = fetch.key
+        with self._mutex:
+            fetch.users += 1  # this fetcher's, until the chunk is handed to the writer or dropped
+        try:
+            if self._error is not None:
+                raise self._error  # the run has failed: its blocks are dropped, fetch nothing more
+            cached, lock = self._fill(connection, fetch, file, index, fetch.first, fetch.last)
         except BaseException as error:
             fetch.result.set_exception(error)
-            self._forget(key)
+            self._forget(fetch.key)
             self._release(fetch)
-            raise
+            return
         fetch.result.set_result(cached)
         if lock is None:
-            self._forget(key)
-            return fetch, cached
-        with self._mutex:
-            fetch.users += 1  # the writer's
+            self._forget(fetch.key)
+            self._release(fetch)
+            return
         try:
-            self._writes.put_nowait(_Write(key, self._idents[file], first, fetch, lock))
+            self._writes.put_nowait(_Write(self._idents[file], fetch, lock))  # the writer releases it
         except queue.Full:
-            self._forget(key)
+            self._forget(fetch.key)
             self._release(fetch)
             lock.release()
             self._count("cache_dropped", 1)
-        return fetch, cached
 
     def _forget(self, key: tuple[int, int]) -> None:
         with self._mutex:
@@ -239,13 +265,14 @@ class CacheFeed(ExternalFeed):
 
     def _write_loop(self) -> None:
         while (write := self._writes.get()) is not None:
+            fetch = write.fetch
             try:
-                assert write.fetch.chunk is not None
-                if self._store.write(write.ident, write.key[1], write.offset, write.fetch.chunk, self._piece):
-                    self._count("cache_write_bytes", write.fetch.chunk.length)
+                assert fetch.chunk is not None
+                if self._store.write(write.ident, fetch.key[1], fetch.first, fetch.chunk, self._piece):
+                    self._count("cache_write_bytes", fetch.chunk.length)
             finally:
-                self._forget(write.key)  # before the lock: a waiter finds it in memory or on disk
-                self._release(write.fetch)
+                self._forget(fetch.key)  # before the lock: a waiter finds it in memory or on disk
+                self._release(fetch)
                 write.lock.release()
 
     def _count(self, name: str, amount: int) -> None:
@@ -266,7 +293,8 @@ class CacheFeed(ExternalFeed):
         }
 
     def close(self) -> None:
-        """Stops the workers (after the block each is serving) and lets the writer finish what it
+        """Stops the servers (after the block each is serving: the fetches they wait for finish,
+        bounded by the client's deadlines), then the fetchers, and lets the writer finish what it
         holds (its chunks are copies, not the run's memory). Idempotent."""
         if self._closed:
             return
@@ -274,9 +302,15 @@ class CacheFeed(ExternalFeed):
         with contextlib.suppress(Exception):
             while True:
                 self._blocks.get_nowait()  # queued blocks are dropped
-        for _ in self._workers:
+        for _ in self._servers:
             self._blocks.put(None)
-        for thread in self._workers:
+        for thread in self._servers:
             thread.join()
-        self._writes.put(None)
-        self._writer.join()
+        for _ in self._fetchers:
+            self._fetches.put(None)
+        for thread in self._fetchers:
+            thread.join()
+        for _ in self._writers:
+            self._writes.put(None)
+        for thread in self._writers:
+            thread.join()
