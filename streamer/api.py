@@ -291,6 +291,7 @@ class Streamer:
                 config,
                 one_receiver=self._storage.one_receiver,
                 request_bytes=self._storage.read_cost.request_bytes,
+                file_grid=self._storage.file_grid,
             )
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)

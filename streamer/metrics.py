@@ -99,4 +99,5 @@ class LoadMetrics:
             "cache_miss_bytes": self.storage.get("cache_miss_bytes", 0),  # cache: chunk bytes fetched from S3
             "cache_write_bytes": self.storage.get("cache_write_bytes", 0),  # cache: chunk bytes stored
             "cache_errors": self.storage.get("cache_errors", 0),  # cache: chunks failing their check
+            "cache_dropped": self.storage.get("cache_dropped", 0),  # cache: chunks not written (disk behind)
         }

@@ -62,6 +62,7 @@ def plan_segments(
     segment_bytes: int | None,
     alignment: int,
     request_bytes: int | None = None,
+    file_grid: bool = False,
 ) -> list[Segment]:
     """Groups units (sorted by file, then offset) into segments of at most ``segment_bytes``.
 
@@ -69,7 +70,8 @@ def plan_segments(
     extent of the units it touches, cut where units are at least ``request_bytes`` apart (what
     one more request costs the storage; None: never cut). Units that follow each other (a whole
     checkpoint) are read in whole blocks of the ``block_size`` grid; the ranges of a sliced read
-    only where they are.
+    only where they are. ``file_grid``: the grid lines are the multiples of ``block_size`` in
+    file offsets (a storage caching on that grid), not counted from each segment's start.
     """
     segments: list[Segment] = []
     start = 0
@@ -81,13 +83,19 @@ def plan_segments(
             and (segment_bytes is None or units[stop].end - units[start].begin <= segment_bytes)
         ):
             stop += 1
-        segments.append(_plan_segment(units, start, stop, block_size, alignment, request_bytes))
+        segments.append(_plan_segment(units, start, stop, block_size, alignment, request_bytes, file_grid))
         start = stop
     return segments
 
 
 def _plan_segment(
-    units: Sequence[Unit], start: int, stop: int, block_size: int, alignment: int, request_bytes: int | None
+    units: Sequence[Unit],
+    start: int,
+    stop: int,
+    block_size: int,
+    alignment: int,
+    request_bytes: int | None,
+    file_grid: bool,
 ) -> Segment:
     first, last = units[start], units[stop - 1]
     buffer_begin = align_down(first.begin, alignment)
@@ -97,8 +105,10 @@ def _plan_segment(
     # Pieces at least two aligned blocks apart never read the same aligned block.
     min_gap = None if request_bytes is None else max(request_bytes, 2 * alignment)
     blocks: list[Block] = []
-    for grid_offset in range(buffer_begin, buffer_end, block_size):
-        grid_end = min(grid_offset + block_size, buffer_end)
+    grid_start = buffer_begin - buffer_begin % block_size if file_grid else buffer_begin
+    for grid_line in range(grid_start, buffer_end, block_size):
+        grid_offset = max(grid_line, buffer_begin)
+        grid_end = min(grid_line + block_size, buffer_end)
         # Units overlapping the block: those ending after its start and starting before its end.
         lo = bisect.bisect_right(ends, grid_offset)
         hi = bisect.bisect_left(begins, grid_end) - 1

@@ -38,6 +38,7 @@ from conftest import (
 
 import streamer
 from streamer import CacheConfig, StreamerConfig
+from streamer.backends.cache import feed as cache_feed
 from streamer.backends.cache import store as cache_store
 from streamer.backends.cache.store import CacheWarning
 
@@ -202,6 +203,37 @@ def test_blocks_inside_large_chunks_hit_and_a_bad_piece_is_refetched(
     assert healed["cache_errors"] == 1 and healed["requests"] - healed["retries"] == 1
 
 
+def test_blocks_holding_whole_chunks_fetch_and_write_them_in_place(
+    s3_server: str, model: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``block_size == chunk_bytes``: the cache plans blocks on the file's chunk grid, so every
+    chunk but the one under each header is fetched straight into the run's memory and written
+    from there; only those few go through a shared buffer."""
+    shared_buffers = 0
+
+    class CountedBuffer(cache_feed.ChunkBuffer):
+        def __init__(self, capacity: int) -> None:
+            nonlocal shared_buffers
+            shared_buffers += 1
+            super().__init__(capacity)
+
+    monkeypatch.setattr(cache_feed, "ChunkBuffer", CountedBuffer)
+    expected = reference_load(model.shards)
+    config = cfg(s3_server, tmp_path, block_size=CHUNK)
+    got, first = load(prefix(s3_server), config)
+    assert_same_dict(got, expected)
+    assert first["requests"] - first["retries"] == chunks_of(model)
+    assert first["cache_dropped"] == 0
+    assert first["cache_write_bytes"] == sum(s.stat().st_size for s in model.shards)
+    assert 1 <= shared_buffers <= len(model.shards)
+    got, hit = load(prefix(s3_server), config)
+    assert_same_dict(got, expected)
+    assert hit["requests"] == 0 and hit["cache_hit_bytes"] == hit["bytes"]
+    got, other = load(prefix(s3_server), cfg(s3_server, tmp_path))  # another layout: all hits too
+    assert_same_dict(got, expected)
+    assert other["requests"] == 0
+
+
 _LOADER = """
 import json, sys, time
 import streamer
@@ -298,7 +330,7 @@ def test_full_disk_loads_with_one_warning(
     """ENOSPC is injected at the cache's write call (no small file system without root)."""
     writes = 0
 
-    def full(fd: int, data: Any) -> None:
+    def full(fd: int, data: Any, position: int) -> None:
         nonlocal writes
         writes += 1
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

@@ -31,10 +31,10 @@ def stored(tmp_path: Path, data: bytes, *, direct: bool = True) -> tuple[ChunkSt
     """A store holding ``data`` as chunk 3, written and read with O_DIRECT or buffered."""
     store = ChunkStore(str(tmp_path), 1 << 30)
     store._direct = direct
-    chunk = ChunkBuffer(len(data))
+    chunk = ChunkBuffer(len(data))  # page-aligned: the aligned part is written with O_DIRECT
     with chunk.data as view:
         view[:] = data
-    assert store.write(IDENT, 3, OFFSET, chunk, PIECE)
+        assert store.write(IDENT, 3, OFFSET, view, PIECE)
     return store, tmp_path / "v2" / IDENT / "3.chunk"
 
 
@@ -152,3 +152,15 @@ def test_pieces_fit_the_head_for_any_chunk_size() -> None:
         piece = piece_bytes(chunk)
         assert piece % 4096 == 0 and -(-chunk // piece) <= 128
     assert cache_store._MAX_PIECES >= 128
+
+
+def test_a_chunk_written_from_unaligned_memory_reads_back(tmp_path: Path) -> None:
+    """The run's memory need not be aligned: what O_DIRECT cannot take is written buffered."""
+    data = chunk_data()
+    store = ChunkStore(str(tmp_path), 1 << 30)
+    memory = bytearray(len(data) + 1)
+    with memoryview(memory)[1:] as unaligned:
+        unaligned[:] = data
+        assert store.write(IDENT, 3, OFFSET, unaligned, PIECE)
+    out = memoryview(bytearray(len(data)))
+    assert store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out) and out == data

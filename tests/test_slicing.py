@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -186,3 +187,36 @@ def test_blocks_follow_the_wanted_ranges() -> None:
         apart, block_size=64 * KiB, segment_bytes=None, alignment=4096, request_bytes=64 * KiB
     )
     assert [(b.read_offset, b.read_length) for b in whole[0].blocks] == [(0, 45056)]
+
+
+@pytest.mark.parametrize("segment_bytes", [None, 3 * MiB])
+def test_a_file_grid_cuts_blocks_at_multiples_of_the_block_size(segment_bytes: int | None) -> None:
+    """A cached storage's blocks: every cut falls on a multiple of ``block_size`` in the file (the
+    cache's chunk grid), whatever the segments' starts; together they still cover every unit."""
+    sizes = [5, 4096, 3 * MiB + 17, 100, 70 * KiB, 9 * MiB, 1]
+    units, position = [], 8 + 37
+    for size in sizes:
+        units.append(Unit(0, position, position + size))
+        position += size
+    block_size = 1 * MiB
+    segments = plan_segments(
+        units,
+        block_size=block_size,
+        segment_bytes=segment_bytes,
+        alignment=4096,
+        request_bytes=REMOTE_READ_COST.request_bytes,
+        file_grid=True,
+    )
+    covered = []
+    for segment in segments:
+        for block in segment.blocks:
+            assert block.acc_begin // block_size == (block.acc_end - 1) // block_size  # within one line
+            assert (
+                block.read_offset // block_size == (block.read_offset + block.read_length - 1) // block_size
+            )
+            covered.append((block.acc_begin, block.acc_end))
+    covered.sort()
+    assert covered[0][0] == units[0].begin and covered[-1][1] == units[-1].end
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+    whole = [b for s in segments for b in s.blocks if b.acc_end - b.acc_begin == block_size]
+    assert all(b.acc_begin % block_size == 0 for b in whole) and len(whole) >= 10

@@ -113,6 +113,7 @@ class Storage(ABC):
     reads_in_engine = False  # True: the engine's reader threads read the bytes (it needs a pool of them)
     one_receiver = False  # True: one thread receives every byte; fresh buffers are faulted in elsewhere
     read_cost = REMOTE_READ_COST  # what one more request costs (local files override it)
+    file_grid = False  # True: blocks lie on the block_size grid of file offsets (a cache kept on it)
 
     @abstractmethod
     def open(self, source: SourceLike) -> Opened:

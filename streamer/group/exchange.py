@@ -109,6 +109,7 @@ class GroupExchange:
             self._config,
             one_receiver=self._storage.one_receiver,
             request_bytes=self._storage.read_cost.request_bytes,
+            file_grid=self._storage.file_grid,
         )
         mine = [_piece_ref(index, plan.pieces[index]) for index in plan.share(self._rank)]
         self.run = Run(self._checkpoint, mine, self._config, cpu, ordered=True, storage=self._storage)

@@ -39,6 +39,7 @@ class CpuSink:
         *,
         one_receiver: bool,
         request_bytes: int,
+        file_grid: bool = False,
     ) -> None:
         self._refs = selection.refs
         self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
@@ -54,6 +55,7 @@ class CpuSink:
             segment_bytes=segment_bytes,
             alignment=DIRECT_IO_ALIGNMENT,
             request_bytes=request_bytes,
+            file_grid=file_grid,
         )
         self._segment_of_unit = [0] * len(self._units)
         for index, segment in enumerate(self._segments):

@@ -37,18 +37,21 @@ from streamer.errors import S3Error, StreamerError
 
 _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fetching itself
 _WRITE_QUEUE = 16  # chunks waiting for the writers at most
-_WRITERS = 2  # one O_DIRECT write each in flight: a single one left the device idle between chunks
+_WRITERS = 2  # threads writing shared chunks: a single one left the device idle between chunks
+_WRITE_SLOTS = 8  # chunks written from the run's memory at once; more waiting means the disk is behind
 
 
 class _Fetch:
-    """A chunk this run fetches, shared by every block that needs it, by its fetcher and by the
-    writer; its buffer goes back to the feed's spares when the last of them releases it."""
+    """A chunk this run fetches, into the one block's memory that holds it whole (``target``) or
+    into a buffer shared by every block that needs part of it, by its fetcher and by the writer;
+    that buffer goes back to the feed's spares when the last of them releases it."""
 
-    __slots__ = ("chunk", "first", "key", "last", "result", "users")
+    __slots__ = ("chunk", "first", "key", "last", "result", "target", "users")
 
-    def __init__(self, key: tuple[int, int], first: int, last: int) -> None:
+    def __init__(self, key: tuple[int, int], first: int, last: int, target: memoryview | None = None) -> None:
         self.key = key  # (engine file, chunk index)
         self.first, self.last = first, last  # the chunk's object bytes
+        self.target = target
         self.chunk: ChunkBuffer | None = None
         self.result: Future[bool] = Future()  # whether another process had filled it
         self.users = 1  # the block that asked for it; guarded by the feed's mutex
@@ -97,6 +100,7 @@ class CacheFeed(ExternalFeed):
         self._blocks: queue.SimpleQueue[native.Block | None] = queue.SimpleQueue()
         self._writes: queue.Queue[_Write | None] = queue.Queue(_WRITE_QUEUE)
         self._fetches: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
+        self._write_slots = threading.BoundedSemaphore(_WRITE_SLOTS)
         self._closed = False
         concurrency = client.config.concurrency
         self._servers = [
@@ -127,7 +131,10 @@ class CacheFeed(ExternalFeed):
 
     def _serve(self, block: native.Block) -> None:
         """Lands ``block``: its cached chunks read in place, the others fetched all at once by the
-        fetchers (a block usually needs parts of two chunks) and copied in as they arrive."""
+        fetchers. A chunk the block holds whole is fetched straight into the block's memory (the
+        cache feeds' planner grid is the chunk grid, so with ``block_size`` a multiple of
+        ``chunk_bytes`` that is nearly every chunk); a chunk it holds part of is fetched into a
+        shared buffer and the part copied in."""
         info = self._objects[block.file]
         begin, end = block.acc_begin, block.acc_end
         view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
@@ -137,24 +144,22 @@ class CacheFeed(ExternalFeed):
                 first = index * self._chunk
                 last = min(first + self._chunk, info.size)
                 low, high = max(begin, first), min(end, last)
-                if self._store.read_into(
-                    self._idents[block.file],
-                    index,
-                    first,
-                    last - first,
-                    low,
-                    view[low - begin : high - begin],
-                ):
+                part = view[low - begin : high - begin]
+                if self._store.read_into(self._idents[block.file], index, first, last - first, low, part):
                     self._count("cache_hit_bytes", high - low)
+                elif (low, high) == (first, last):
+                    waiting.append(
+                        (self._fetch_whole(block.file, index, first, last, part), first, low, high)
+                    )
                 else:
                     waiting.append((self._fetch(block.file, index, first, last), first, low, high))
             while waiting:
                 fetch, first, low, high = waiting.pop(0)
                 try:
                     cached = fetch.result.result()
-                    assert fetch.chunk is not None
-                    with fetch.chunk.data as data:
-                        view[low - begin : high - begin] = data[low - first : high - first]
+                    if fetch.chunk is not None:
+                        with fetch.chunk.data as data:
+                            view[low - begin : high - begin] = data[low - first : high - first]
                 finally:
                     self._release(fetch)
                 self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
@@ -177,10 +182,10 @@ class CacheFeed(ExternalFeed):
         self.credit(block)
 
     def _fetch(self, file: int, index: int, first: int, last: int) -> _Fetch:
-        """The run's fetch of chunk ``index`` of engine file ``file``: the one under way (another
-        block needs the same chunk) or a new one queued for the fetchers. A fetched chunk stays
-        shared in memory until it is written, so the next block never waits for the writer. The
-        caller releases it."""
+        """The run's fetch of chunk ``index`` of engine file ``file`` into a shared buffer: the one
+        under way (another block needs the same chunk) or a new one queued for the fetchers. A
+        fetched chunk stays shared in memory until it is written, so the next block never waits
+        for the writer. The caller releases it."""
         key = (file, index)
         with self._mutex:
             fetch = self._filling.get(key)
@@ -188,6 +193,13 @@ class CacheFeed(ExternalFeed):
                 fetch.users += 1
                 return fetch
             fetch = self._filling[key] = _Fetch(key, first, last)
+        self._fetches.put(fetch)
+        return fetch
+
+    def _fetch_whole(self, file: int, index: int, first: int, last: int, target: memoryview) -> _Fetch:
+        """A fetch of chunk ``index`` straight into ``target``, the block's memory (no other block
+        of the run needs it), queued for the fetchers. The caller releases it."""
+        fetch = _Fetch((file, index), first, last, target)
         self._fetches.put(fetch)
         return fetch
 
@@ -207,14 +219,19 @@ class CacheFeed(ExternalFeed):
             if self._error is not None:
                 raise self._error  # the run has failed: its blocks are dropped, fetch nothing more
             cached, lock = self._fill(connection, fetch, file, index, fetch.first, fetch.last)
+            if lock is not None and fetch.target is not None:
+                self._write_through(fetch, fetch.target, lock)
+                lock = None
         except BaseException as error:
             fetch.result.set_exception(error)
-            self._forget(fetch.key)
+            if fetch.target is None:
+                self._forget(fetch.key)
             self._release(fetch)
             return
         fetch.result.set_result(cached)
         if lock is None:
-            self._forget(fetch.key)
+            if fetch.target is None:
+                self._forget(fetch.key)
             self._release(fetch)
             return
         try:
@@ -224,6 +241,24 @@ class CacheFeed(ExternalFeed):
             self._release(fetch)
             lock.release()
             self._count("cache_dropped", 1)
+
+    def _write_through(self, fetch: _Fetch, data: memoryview, lock: ChunkLock) -> None:
+        """Writes a chunk from the block's own memory before the block is credited (after it, the
+        run may reuse that memory), when a write slot is free; else the chunk is not cached, so a
+        slow disk never holds the load back by more than the writes already under way."""
+        try:
+            if not self._write_slots.acquire(blocking=False):
+                self._count("cache_dropped", 1)
+                return
+            try:
+                if self._store.write(
+                    self._idents[fetch.key[0]], fetch.key[1], fetch.first, data, self._piece
+                ):
+                    self._count("cache_write_bytes", len(data))
+            finally:
+                self._write_slots.release()
+        finally:
+            lock.release()
 
     def _forget(self, key: tuple[int, int]) -> None:
         with self._mutex:
@@ -243,11 +278,14 @@ class CacheFeed(ExternalFeed):
         waited for its lock (True), else from S3; and, when it is ours to write, its lock."""
         ident = self._idents[file]
         lock = self._store.lock(ident, index, _FILL_WAIT)
-        with self._mutex:
-            chunk = self._spare.pop() if self._spare else ChunkBuffer(self._chunk)
-        chunk.length = last - first
-        fetch.chunk = chunk
-        view = chunk.data
+        if fetch.target is not None:
+            view = fetch.target[:]
+        else:
+            with self._mutex:
+                chunk = self._spare.pop() if self._spare else ChunkBuffer(self._chunk)
+            chunk.length = last - first
+            fetch.chunk = chunk
+            view = chunk.data
         try:
             if lock is not None and self._store.read_into(ident, index, first, last - first, first, view):
                 lock.release()
@@ -268,8 +306,9 @@ class CacheFeed(ExternalFeed):
             fetch = write.fetch
             try:
                 assert fetch.chunk is not None
-                if self._store.write(write.ident, fetch.key[1], fetch.first, fetch.chunk, self._piece):
-                    self._count("cache_write_bytes", fetch.chunk.length)
+                with fetch.chunk.data as data:
+                    if self._store.write(write.ident, fetch.key[1], fetch.first, data, self._piece):
+                        self._count("cache_write_bytes", len(data))
             finally:
                 self._forget(fetch.key)  # before the lock: a waiter finds it in memory or on disk
                 self._release(fetch)

@@ -68,35 +68,21 @@ def identity(endpoint: str | None, bucket: str, key: str, size: int, etag: str |
 
 
 class ChunkBuffer:
-    """Page-aligned memory for a chunk of up to ``capacity`` bytes behind room for its head: a
-    fill lands in ``data``, is copied out to the run, and is written (O_DIRECT) with no other
-    copy. Feeds reuse them: fresh memory costs a zeroing fault per page, here the largest cost
-    of a fill."""
+    """Page-aligned memory for a chunk of up to ``capacity`` bytes, for a chunk that no single
+    block of the run holds whole: the fill lands here, the blocks copy their parts out, and it is
+    written (O_DIRECT) from here. Feeds reuse them: fresh memory costs a zeroing fault per page."""
 
     def __init__(self, capacity: int) -> None:
         self.length = capacity
         # Private: Python's default anonymous map is shared memory, which THP leaves in 4 KiB pages.
-        self._memory = mmap.mmap(
-            -1, _aligned(HEAD_BYTES + capacity), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
+        self._memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         with contextlib.suppress(AttributeError, OSError):
             self._memory.madvise(mmap.MADV_HUGEPAGE)
 
     @property
     def data(self) -> memoryview:
         """The chunk's ``length`` bytes."""
-        return memoryview(self._memory)[HEAD_BYTES : HEAD_BYTES + self.length]
-
-    def file_image(self, head: bytes) -> memoryview:
-        """The whole chunk file, ``head`` written in front of the data, padded to the alignment."""
-        image = memoryview(self._memory)[: _aligned(HEAD_BYTES + self.length)]
-        image[: len(head)] = head
-        image[len(head) : HEAD_BYTES] = bytes(HEAD_BYTES - len(head))
-        return image
-
-
-def _aligned(size: int) -> int:
-    return -(-size // native.DIRECT_ALIGNMENT) * native.DIRECT_ALIGNMENT
+        return memoryview(self._memory)[: self.length]
 
 
 class ChunkLock:
@@ -264,29 +250,28 @@ class ChunkStore:
                 self._disable(error)
                 return None
 
-    def write(self, ident: str, index: int, offset: int, chunk: ChunkBuffer, piece: int) -> bool:
-        """Stores a chunk (temporary file renamed into place, checksummed in pieces of ``piece``
-        bytes); False when it was not stored."""
-        length = chunk.length
+    def write(self, ident: str, index: int, offset: int, data: memoryview, piece: int) -> bool:
+        """Stores ``data`` as chunk ``index`` (object bytes from ``offset``), checksummed in pieces
+        of ``piece`` bytes, under a temporary name renamed into place; False when it was not
+        stored. ``data`` may be the run's own buffer: it is only read, and not kept."""
+        length = len(data)
         if not self._writable or HEAD_BYTES + length > self._max_bytes:
             return False
         path = self._path(ident, index)
         temporary = f"{path}{_TMP}{os.getpid()}.{threading.get_ident()}"
-        data = chunk.data
         digests = [xxhash.xxh3_64_intdigest(data[at : at + piece]) for at in range(0, length, piece)]
-        data.release()
         if len(digests) > _MAX_PIECES:
             raise ValueError(f"{len(digests)} pieces of {piece} bytes do not fit a chunk head")
         table = struct.pack(f"<{len(digests)}Q", *digests)
         head_digest = xxhash.xxh3_64_intdigest(_FIXED.pack(_MAGIC, offset, length, piece, 0) + table)
-        image = chunk.file_image(_FIXED.pack(_MAGIC, offset, length, piece, head_digest) + table)
+        head = (_FIXED.pack(_MAGIC, offset, length, piece, head_digest) + table).ljust(HEAD_BYTES, b"\0")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = self._create(temporary)
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
-                _write_all(fd, image)
-                if len(image) != HEAD_BYTES + length:
-                    os.ftruncate(fd, HEAD_BYTES + length)  # the alignment padding of a last chunk
+                _write_all(fd, head, 0)
+                done = self._write_direct(fd, data, HEAD_BYTES)
+                _write_all(fd, data[done:], HEAD_BYTES + done)
             finally:
                 os.close(fd)
             os.replace(temporary, path)
@@ -295,8 +280,6 @@ class ChunkStore:
                 os.unlink(temporary)
             self._disable(error)
             return False
-        finally:
-            image.release()
         with self._mutex:
             self._used += HEAD_BYTES + length
             over = self._used > self._max_bytes
@@ -304,17 +287,24 @@ class ChunkStore:
             self.evict()
         return True
 
-    def _create(self, path: str) -> int:
-        """A new file for writing: O_DIRECT where the file system takes it (no page-cache copy,
-        no dirty pages for the loads that follow to wait behind), buffered elsewhere."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        if self._direct:
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o644)
-            except OSError as error:
-                if error.errno != errno.EINVAL:
-                    raise
-        return os.open(path, flags, 0o644)
+    def _write_direct(self, fd: int, data: memoryview, position: int) -> int:
+        """Bytes of the front of ``data`` written with O_DIRECT (no page-cache copy, no dirty
+        pages for later loads to wait behind): its aligned part, where its address and the file
+        system allow it; the caller writes the rest through ``fd``."""
+        alignment = native.DIRECT_ALIGNMENT
+        aligned = len(data) - len(data) % alignment
+        if not (self._direct and aligned) or native.address(native.ffi.from_buffer(data)) % alignment:
+            return 0
+        try:
+            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError:
+            self._direct = False
+            return 0
+        try:
+            _write_all(direct_fd, data[:aligned], position)
+        finally:
+            os.close(direct_fd)
+        return aligned
 
     def evict(self) -> None:
         """Deletes the least recently used chunks until the directory holds at most ``max_bytes``."""
@@ -372,11 +362,12 @@ class ChunkStore:
         )
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def _write_all(fd: int, data: bytes | memoryview, position: int) -> None:
     view = memoryview(data)
     while view:
-        written = os.write(fd, view)
+        written = os.pwrite(fd, view, position)
         view = view[written:]
+        position += written
 
 
 def _alive(temporary_name: str) -> bool:
