@@ -1,20 +1,21 @@
 """The cached part of one run: each block is served chunk by chunk, from the cache or from S3.
 
-A block's credited bytes ``[acc_begin, acc_end)`` are cut on the cache's fixed grid of object
-offsets (``chunk_bytes``). The grid belongs to the object, not to the run: the planner's blocks
-start at each segment's aligned start, so a block usually covers the end of one chunk and the
-start of the next. A chunk missing from the cache is fetched whole from S3 (one ranged GET) into
-a private, page-aligned buffer, its part copied into the run's buffer, and the buffer handed to a
-writer thread, which writes it (O_DIRECT, head and all, in one call); so every chunk a full load
-touches is cached, and a later load of any subset, layout or TP rank finds its bytes. The private
-buffer costs one copy on a miss but frees the run's buffer at once: it is credited (and may be
-reused by the run) before the cache write has even started.
+The cache keeps objects in chunks on a fixed grid of object offsets (``chunk_bytes``), so a later
+load of any subset, layout or TP rank finds them. A hit is read in place (``ChunkStore.read_into``).
+A miss is one ranged GET of the whole chunk, by a pool of fetcher threads (``s3.concurrency``:
+the GETs in flight), so the chunks a block misses are fetched at once:
 
-Worker threads (``s3.concurrency`` of them) fetch through the shared S3 client; threads of one
-run needing the same chunk share one fetch (in memory), and processes of a node share one through
-the store's chunk locks: the filler holds the lock until its chunk is in place, the others wait for
-it and read the chunk from the cache. The writer queue is bounded: a chunk it cannot take is not
-cached (counted), never slowing the load.
+- a chunk the block holds whole is fetched straight into the block's memory and written to the
+  cache from there before the block is credited (after that the run may reuse the memory). The
+  cache storage asks the planner for blocks on the file's ``block_size`` grid, so with the
+  default sizes (8 MiB both) that is every chunk but the one under each header. A write waits for
+  none: when every write slot is busy (the disk is behind) the chunk is not cached, and counted;
+- a chunk the block holds part of (the header's, or any when ``block_size`` is not a multiple of
+  ``chunk_bytes``) is fetched into a shared, reused buffer; every block needing part of it copies
+  its part, and writer threads write it from there (a bounded queue: full, not cached).
+
+Processes of a node share fills through the store's chunk locks: the filler holds the lock until
+its chunk is in place, the others wait for it and read the chunk from the cache.
 """
 
 from __future__ import annotations
