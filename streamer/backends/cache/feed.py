@@ -6,14 +6,15 @@ A miss is one ranged GET of the whole chunk, by a pool of fetcher threads (``s3.
 the GETs in flight), so the chunks a block misses are fetched at once:
 
 - a chunk the block holds whole is fetched straight into the block's memory and written to the
-  cache from there before the block is credited (after that the run may reuse the memory). The
-  cache storage asks the planner for blocks on the file's ``block_size`` grid, so with the
-  default sizes (8 MiB both) that is every chunk but the one under each header. A write waits
-  for a slot a tenth of its fetch's time at most: past that (the disk is behind) the chunk is not
-  cached, and counted;
+  cache from there; the block is credited after the write (then the run may reuse the memory).
+  The cache storage asks the planner for blocks on the file's ``block_size`` grid, so with the
+  default sizes (8 MiB both) that is every chunk but the one under each header;
 - a chunk the block holds part of (the header's, or any when ``block_size`` is not a multiple of
   ``chunk_bytes``) is fetched into a shared, reused buffer; every block needing part of it copies
-  its part, and writer threads write it from there (a bounded queue: full, not cached).
+  its part while it is written from there.
+
+Writes run on their own threads, so fetchers go on to their next GET at once. A write never
+waits for a slot: with every slot busy (the disk is behind) the chunk is not cached, and counted.
 
 Processes of a node share fills through the store's chunk locks: the filler holds the lock until
 its chunk is in place, the others wait for it and read the chunk from the cache.
@@ -26,8 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from streamer.backends.base import ExternalFeed, Named, tensor_at
 from streamer.backends.cache.store import ChunkBuffer, ChunkLock, ChunkStore, piece_bytes
@@ -38,12 +38,9 @@ from streamer.engine import native
 from streamer.errors import S3Error, StreamerError
 
 _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fetching itself
-_WRITE_QUEUE = 16  # chunks waiting for the writers at most
-_WRITERS = 2  # threads writing shared chunks: a single one left the device idle between chunks
-_WRITE_SLOTS = 32  # chunks written from the run's memory at once (8 wrote 60% of a 4 GiB fill, 32 wrote 97%)
-# A block waits for a write slot at most this share of its chunk's fetch time: fills keep ~0.9x the
-# speed of uncached loads, and bursts of fetches ending together still get written.
-_WRITE_PATIENCE = 0.1
+_WRITE_SLOTS = (
+    32  # chunks being written at once; all busy means the disk is behind (8 kept 60% of a 4 GiB fill)
+)
 
 
 class _Fetch:
@@ -60,13 +57,6 @@ class _Fetch:
         self.chunk: ChunkBuffer | None = None
         self.result: Future[bool] = Future()  # whether another process had filled it
         self.users = 1  # the block that asked for it; guarded by the feed's mutex
-
-
-@dataclass(frozen=True, slots=True)
-class _Write:
-    ident: str
-    fetch: _Fetch
-    lock: ChunkLock
 
 
 class CacheFeed(ExternalFeed):
@@ -103,7 +93,6 @@ class CacheFeed(ExternalFeed):
         deadline = client.config.load_deadline
         self._until = None if deadline is None else time.monotonic() + deadline
         self._blocks: queue.SimpleQueue[native.Block | None] = queue.SimpleQueue()
-        self._writes: queue.Queue[_Write | None] = queue.Queue(_WRITE_QUEUE)
         self._fetches: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
         self._write_slots = threading.BoundedSemaphore(_WRITE_SLOTS)
         self._closed = False
@@ -116,11 +105,8 @@ class CacheFeed(ExternalFeed):
             threading.Thread(target=self._fetch_loop, name="streamer-cache-fetch", daemon=True)
             for _ in range(concurrency)
         ]
-        self._writers = [
-            threading.Thread(target=self._write_loop, name="streamer-cache-write", daemon=True)
-            for _ in range(_WRITERS)
-        ]
-        for thread in (*self._servers, *self._fetchers, *self._writers):
+        self._write_pool = ThreadPoolExecutor(_WRITE_SLOTS, thread_name_prefix="streamer-cache-write")
+        for thread in (*self._servers, *self._fetchers):
             thread.start()
 
     def submit(self, blocks: Sequence[native.Block]) -> None:
@@ -217,56 +203,58 @@ class CacheFeed(ExternalFeed):
             connection.close()
 
     def _run_fetch(self, connection: Connection, fetch: _Fetch) -> None:
-        file, index = fetch.key
         with self._mutex:
-            fetch.users += 1  # this fetcher's, until the chunk is handed to the writer or dropped
+            fetch.users += 1  # this fetcher's, then the write's, until the fetch is settled
         try:
             if self._error is not None:
                 raise self._error  # the run has failed: its blocks are dropped, fetch nothing more
-            started = time.monotonic()
-            cached, lock = self._fill(connection, fetch, file, index, fetch.first, fetch.last)
-            if lock is not None and fetch.target is not None:
-                patience = _WRITE_PATIENCE * (time.monotonic() - started)
-                self._write_through(fetch, fetch.target, lock, patience)
-                lock = None
+            cached, lock = self._fill(connection, fetch, *fetch.key, fetch.first, fetch.last)
         except BaseException as error:
-            fetch.result.set_exception(error)
-            if fetch.target is None:
-                self._forget(fetch.key)
-            self._release(fetch)
+            self._settle(fetch, error=error)
             return
-        fetch.result.set_result(cached)
         if lock is None:
+            self._settle(fetch, cached)
+        elif self._write_slots.acquire(blocking=False):
             if fetch.target is None:
-                self._forget(fetch.key)
-            self._release(fetch)
-            return
-        try:
-            self._writes.put_nowait(_Write(self._idents[file], fetch, lock))  # the writer releases it
-        except queue.Full:
-            self._forget(fetch.key)
-            self._release(fetch)
+                fetch.result.set_result(cached)  # blocks copy their parts while it is written
+            self._write_pool.submit(self._write, fetch, cached, lock)
+        else:  # every slot busy: the disk is behind, this chunk is not cached
             lock.release()
             self._count("cache_dropped", 1)
+            self._settle(fetch, cached)
 
-    def _write_through(self, fetch: _Fetch, data: memoryview, lock: ChunkLock, patience: float) -> None:
-        """Writes a chunk from the block's own memory before the block is credited (after it, the
-        run may reuse that memory), when a write slot frees within ``patience`` seconds; else the
-        chunk is not cached, so a disk that is behind never holds a block back by much more than
-        that."""
+    def _write(self, fetch: _Fetch, cached: bool, lock: ChunkLock) -> None:
+        """Writes a fetched chunk from where it landed, then settles the fetch: a block's own
+        memory is credited only after (then the run may reuse it); the fetcher has already
+        moved on to its next GET."""
         try:
-            if not self._write_slots.acquire(timeout=patience):
-                self._count("cache_dropped", 1)
-                return
-            try:
-                if self._store.write(
-                    self._idents[fetch.key[0]], fetch.key[1], fetch.first, data, self._piece
-                ):
-                    self._count("cache_write_bytes", len(data))
-            finally:
-                self._write_slots.release()
+            if fetch.target is not None:
+                self._store_chunk(fetch, fetch.target)
+            else:
+                assert fetch.chunk is not None
+                with fetch.chunk.data as data:
+                    self._store_chunk(fetch, data)
         finally:
+            self._write_slots.release()
+            self._settle(fetch, cached)  # forgotten before the lock goes: waiters find it on disk
             lock.release()
+
+    def _store_chunk(self, fetch: _Fetch, data: memoryview) -> None:
+        file, index = fetch.key
+        if self._store.write(self._idents[file], index, fetch.first, data, self._piece):
+            self._count("cache_write_bytes", len(data))
+
+    def _settle(self, fetch: _Fetch, cached: bool = False, error: BaseException | None = None) -> None:
+        """Publishes the fetch's outcome (unless already out), forgets a shared fetch (later
+        blocks find its chunk in the cache, or fetch it again) and ends this thread's use of it."""
+        if not fetch.result.done():
+            if error is None:
+                fetch.result.set_result(cached)
+            else:
+                fetch.result.set_exception(error)
+        if fetch.target is None:
+            self._forget(fetch.key)
+        self._release(fetch)
 
     def _forget(self, key: tuple[int, int]) -> None:
         with self._mutex:
@@ -309,19 +297,6 @@ class CacheFeed(ExternalFeed):
             view.release()
         return False, lock
 
-    def _write_loop(self) -> None:
-        while (write := self._writes.get()) is not None:
-            fetch = write.fetch
-            try:
-                assert fetch.chunk is not None
-                with fetch.chunk.data as data:
-                    if self._store.write(write.ident, fetch.key[1], fetch.first, data, self._piece):
-                        self._count("cache_write_bytes", len(data))
-            finally:
-                self._forget(fetch.key)  # before the lock: a waiter finds it in memory or on disk
-                self._release(fetch)
-                write.lock.release()
-
     def _count(self, name: str, amount: int) -> None:
         with self._mutex:
             self._counters[name] += amount
@@ -357,7 +332,4 @@ class CacheFeed(ExternalFeed):
             self._fetches.put(None)
         for thread in self._fetchers:
             thread.join()
-        for _ in self._writers:
-            self._writes.put(None)
-        for thread in self._writers:
-            thread.join()
+        self._write_pool.shutdown(wait=True)
