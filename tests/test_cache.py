@@ -234,6 +234,32 @@ def test_blocks_holding_whole_chunks_fetch_and_write_them_in_place(
     assert other["requests"] == 0
 
 
+@pytest.mark.parametrize("block_size", [48 * KiB, CHUNK], ids=["shared-chunks", "whole-chunks"])
+def test_an_object_vanishing_mid_fill_fails_the_load_naming_it(
+    s3_server: str, s3: Any, model: Written, tmp_path: Path, block_size: int
+) -> None:
+    """Headers read, then the objects are deleted: the load raises an S3Error naming the key,
+    and leaves no thread or temporary file behind."""
+    upload(s3, model, f"vanish-{block_size}")
+    source = f"s3://{BUCKET}/vanish-{block_size}/"
+    config = cfg(s3_server, tmp_path, block_size=block_size)
+    with pytest.raises(streamer.S3Error) as caught, streamer.open(source, config=config) as handle:
+        for shard in model.shards:
+            s3.delete_object(Bucket=BUCKET, Key=f"vanish-{block_size}/{shard.name}")
+        for _ in handle:
+            pass
+    assert f"vanish-{block_size}/" in str(caught.value)
+
+    def cache_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("streamer-cache")]
+
+    until = time.monotonic() + 5
+    while cache_threads() and time.monotonic() < until:
+        time.sleep(0.05)
+    assert not cache_threads()
+    assert not list(tmp_path.glob("v2/*/*.tmp.*"))
+
+
 _LOADER = """
 import json, sys, time
 import streamer
