@@ -366,6 +366,19 @@ def thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def takes_direct_io(directory: Path) -> bool:
+    """Whether the file system under ``directory`` opens files with O_DIRECT (tmpfs does not)."""
+    probe = directory / "o_direct_probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+    return True
+
+
 def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 

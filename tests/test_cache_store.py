@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import takes_direct_io
 
 pytest.importorskip("xxhash")
 
@@ -36,19 +37,6 @@ def stored(tmp_path: Path, data: bytes, *, direct: bool = True) -> tuple[ChunkSt
         view[:] = data
         assert store.write(IDENT, 3, OFFSET, view, PIECE)
     return store, tmp_path / "v2" / IDENT / "3.chunk"
-
-
-def takes_direct_io(directory: Path) -> bool:
-    """Whether the file system under ``directory`` opens files with O_DIRECT (tmpfs does not)."""
-    probe = directory / "direct-probe"
-    probe.write_bytes(b"")
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-    except OSError:
-        return False
-    finally:
-        probe.unlink()
-    return True
 
 
 def windows(length: int) -> list[tuple[int, int]]:

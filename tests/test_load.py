@@ -30,6 +30,7 @@ from conftest import (
     raw_entry,
     reference_load,
     snapshot,
+    takes_direct_io,
     write_checkpoint,
     write_raw,
 )
@@ -42,18 +43,6 @@ WRITABLE = sorted(name for name in DTYPES if name in safetensors.torch._TYPES)  
 # hand-built instead; F4 (two values per byte, header and torch shapes differ) has its own tests
 # in test_format_differential.py
 NOT_WRITABLE = sorted(name for name in DTYPES if name not in safetensors.torch._TYPES and name != "F4")
-
-
-def _o_direct_works(directory: Path) -> bool:
-    probe = directory / "o_direct_probe"
-    probe.write_bytes(b"\0" * 4096)
-    try:
-        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
-    except OSError:
-        return False
-    finally:
-        probe.unlink()
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +266,7 @@ def test_settings_matrix(
     assert metrics["direct_files"] + metrics["buffered_files"] == 3
     if io_mode == "buffered" or block_size % 4096:  # O_DIRECT needs aligned blocks: buffered then
         assert metrics["direct_files"] == 0
-    elif io_mode == "direct" and _o_direct_works(tmp_path):
+    elif io_mode == "direct" and takes_direct_io(tmp_path):
         assert metrics["direct_files"] == 3
     elif io_mode == "auto":
         assert metrics["direct_files"] == 0  # just written and read: in the page cache
@@ -306,7 +295,7 @@ def test_streaming_under_a_memory_limit_is_bit_exact(
 def test_auto_mode_reads_uncached_files_direct(tmp_path: Path) -> None:
     tensors = {f"w{i}": random_tensor((256 * KiB,), torch.uint8) for i in range(4)}
     written = write_checkpoint(tmp_path, tensors, shards=2)
-    if not _o_direct_works(tmp_path):
+    if not takes_direct_io(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     left = evict_and_verify(written.shards)
     if left:
@@ -327,7 +316,7 @@ def test_auto_mode_decides_from_the_bytes_a_read_needs(tmp_path: Path) -> None:
     """``get_tensor`` of a cached tensor reads buffered, of an evicted one direct, in one file."""
     tensors = {f"w{i}": random_tensor((MiB,), torch.uint8) for i in range(4)}
     written = write_checkpoint(tmp_path, tensors, shards=1)
-    if not _o_direct_works(tmp_path):
+    if not takes_direct_io(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     (shard,) = written.shards
     shard.read_bytes()  # all of it cached
