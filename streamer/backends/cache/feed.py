@@ -38,9 +38,7 @@ from streamer.engine import native
 from streamer.errors import S3Error, StreamerError
 
 _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fetching itself
-_WRITE_SLOTS = (
-    32  # chunks being written at once; all busy means the disk is behind (8 kept 60% of a 4 GiB fill)
-)
+_WRITE_SLOTS = 32  # chunks written at once; all busy: the disk is behind (16 kept 58-84%, 32 91-99%)
 
 
 class _Fetch:
