@@ -25,16 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from streamer.bench import stats
-from streamer.bench.child import RESULT_MARK
+from streamer.bench import runner, stats
 
 SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")
 RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
@@ -47,21 +43,12 @@ RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
 
 
 def run_child(request: dict[str, Any], cache_dir: Path | None) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k != "STREAMER_CACHE_DIR"}
+    """One timed load in a fresh process, with the cache at ``cache_dir`` or none."""
+    env = runner.child_env({})
+    env.pop("STREAMER_CACHE_DIR", None)
     if cache_dir is not None:
         env["STREAMER_CACHE_DIR"] = str(cache_dir)
-    done = subprocess.run(
-        [sys.executable, "-m", "streamer.bench.child", json.dumps(request)],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd="/",
-        timeout=1800,
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARK)]
-    if not lines:
-        raise RuntimeError(f"child printed no result:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(lines[-1][len(RESULT_MARK) :])
+    result = runner.call_child(request, env=env)
     if not result["ok"]:
         raise RuntimeError(result["error"])
     return result

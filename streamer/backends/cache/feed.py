@@ -206,7 +206,7 @@ class CacheFeed(ExternalFeed):
         try:
             if self._error is not None:
                 raise self._error  # the run has failed: its blocks are dropped, fetch nothing more
-            cached, lock = self._fill(connection, fetch, *fetch.key, fetch.first, fetch.last)
+            cached, lock = self._fill(connection, fetch)
         except BaseException as error:
             self._settle(fetch, error=error)
             return
@@ -265,11 +265,11 @@ class CacheFeed(ExternalFeed):
             if fetch.users == 0 and fetch.chunk is not None:
                 self._spare.append(fetch.chunk)
 
-    def _fill(
-        self, connection: Connection, fetch: _Fetch, file: int, index: int, first: int, last: int
-    ) -> tuple[bool, ChunkLock | None]:
-        """Lands the chunk in ``fetch.chunk``: from the cache if another process filled it while we
-        waited for its lock (True), else from S3; and, when it is ours to write, its lock."""
+    def _fill(self, connection: Connection, fetch: _Fetch) -> tuple[bool, ChunkLock | None]:
+        """Lands the chunk in ``fetch.target`` or ``fetch.chunk``: from the cache if another
+        process filled it while we waited for its lock (True), else from S3; and, when it is ours
+        to write, its lock."""
+        (file, index), first, last = fetch.key, fetch.first, fetch.last
         ident = self._idents[file]
         lock = self._store.lock(ident, index, _FILL_WAIT)
         if fetch.target is not None:

@@ -186,40 +186,42 @@ class ChunkStore:
         return True
 
     def _read_exact(self, fd: int, out: memoryview, position: int) -> bool:
-        """Reads ``len(out)`` bytes at ``position``: O_DIRECT for the aligned part where the file
-        system and ``out``'s address allow it (no page-cache copy, like local checkpoint files),
-        buffered for the rest."""
-        alignment = native.DIRECT_ALIGNMENT
-        done = 0
-        direct = len(out) - len(out) % alignment
-        if self._direct and direct and native.address(native.ffi.from_buffer(out)) % alignment == 0:
-            done = self._read_direct(fd, out[:direct], position)
-        while done < len(out):
-            got = os.preadv(fd, [out[done:]], position + done)
-            if got <= 0:
-                return False
-            done += got
-        return True
+        """Reads ``len(out)`` bytes at ``position``: O_DIRECT where it can (no page-cache copy,
+        like local checkpoint files), buffered for the rest."""
+        done = self._read_direct(fd, out, position)
+        done += _read_all(fd, out[done:], position + done)
+        return done == len(out)
 
     def _read_direct(self, fd: int, out: memoryview, position: int) -> int:
-        """Bytes of ``out`` read with O_DIRECT (0 where the file system refuses it: tmpfs)."""
-        try:
-            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError:
-            self._direct = False
+        """Bytes of the front of ``out`` read with O_DIRECT (see ``_direct_bytes``)."""
+        aligned = self._direct_bytes(out)
+        direct_fd = self._reopen_direct(fd, os.O_RDONLY) if aligned else None
+        if direct_fd is None:
             return 0
-        done = 0
         try:
-            while done < len(out):
-                got = os.preadv(direct_fd, [out[done:]], position + done)
-                if got <= 0:
-                    break
-                done += got
+            return _read_all(direct_fd, out[:aligned], position)
         except OSError:
-            done -= done % native.DIRECT_ALIGNMENT
+            return 0  # read it all buffered
         finally:
             os.close(direct_fd)
-        return done
+
+    def _direct_bytes(self, data: memoryview) -> int:
+        """How much of the front of ``data`` O_DIRECT can move: its aligned part, when its memory
+        is aligned and the file system has not refused O_DIRECT."""
+        alignment = native.DIRECT_ALIGNMENT
+        aligned = len(data) - len(data) % alignment
+        if not (self._direct and aligned) or native.address(native.ffi.from_buffer(data)) % alignment:
+            return 0
+        return aligned
+
+    def _reopen_direct(self, fd: int, flags: int) -> int | None:
+        """``fd``'s file opened again with O_DIRECT; None where the file system refuses it (tmpfs),
+        which turns O_DIRECT off for this store."""
+        try:
+            return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError:
+            self._direct = False
+            return None
 
     def lock(self, ident: str, index: int, wait: float) -> ChunkLock | None:
         """The chunk's lock, waiting up to ``wait`` seconds for another filler; None when the
@@ -288,17 +290,11 @@ class ChunkStore:
         return True
 
     def _write_direct(self, fd: int, data: memoryview, position: int) -> int:
-        """Bytes of the front of ``data`` written with O_DIRECT (no page-cache copy, no dirty
-        pages for later loads to wait behind): its aligned part, where its address and the file
-        system allow it; the caller writes the rest through ``fd``."""
-        alignment = native.DIRECT_ALIGNMENT
-        aligned = len(data) - len(data) % alignment
-        if not (self._direct and aligned) or native.address(native.ffi.from_buffer(data)) % alignment:
-            return 0
-        try:
-            direct_fd = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_CLOEXEC | os.O_DIRECT)
-        except OSError:
-            self._direct = False
+        """Bytes of the front of ``data`` written with O_DIRECT (see ``_direct_bytes``): no
+        page-cache copy, no dirty pages for later loads to wait behind."""
+        aligned = self._direct_bytes(data)
+        direct_fd = self._reopen_direct(fd, os.O_WRONLY) if aligned else None
+        if direct_fd is None:
             return 0
         try:
             _write_all(direct_fd, data[:aligned], position)
@@ -360,6 +356,17 @@ class ChunkStore:
             CacheWarning,
             stacklevel=2,
         )
+
+
+def _read_all(fd: int, out: memoryview, position: int) -> int:
+    """Bytes read into ``out`` from ``position``, fewer only at the end of the file."""
+    done = 0
+    while done < len(out):
+        got = os.preadv(fd, [out[done:]], position + done)
+        if got <= 0:
+            break
+        done += got
+    return done
 
 
 def _write_all(fd: int, data: bytes | memoryview, position: int) -> None:
