@@ -61,4 +61,6 @@ def test_bench_vllm_server_mode(tmp_path: Path) -> None:
     for result in doc["results"]:
         run = result["runs"][0]
         assert 0 < run["ready_s"] <= run["first_token_s"] and run["text"]
-        assert run["weights_s"] > 0 and run["init_engine_s"] > 0  # the breakdown from vLLM's log
+        # the breakdown from vLLM's log; both lines print "%.2f", and this tiny model can load in "0.00"
+        assert run["weights_s"] >= 0 and run["init_engine_s"] >= 0
+        assert result["weights_from"] == "log"
