@@ -19,9 +19,10 @@ from streamer.backends.base import ReadCost, Storage
 from streamer.checkpoint import Checkpoint, TensorRef, read_checkpoint
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine, parse_device
-from streamer.destinations.cpu import empty_tensor
+from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
+from streamer.engine import native
 from streamer.errors import ConfigError, SourceError, StreamerError
 from streamer.format.safetensors import TensorEntry
 from streamer.group.exchange import GroupExchange
@@ -192,12 +193,12 @@ class Streamer:
         if self._group is None:
             raise ConfigError("group_read needs a handle opened with group=")
         self._stop()
-        exchange = self._new_exchange(refs, self._group, ordered=False)
+        exchange = self._new_exchange(refs, self._group, ordered=False, keep_all=True)
         got = dict(exchange.results())
         return [got[ref.entry.name] for ref in refs]
 
     def _new_exchange(
-        self, refs: Sequence[TensorRef], group: dist.ProcessGroup, *, ordered: bool
+        self, refs: Sequence[TensorRef], group: dist.ProcessGroup, *, ordered: bool, keep_all: bool
     ) -> GroupExchange:
         """A group run of ``refs`` into new tensors; the handle's current read from now on."""
         exchange = GroupExchange(
@@ -206,8 +207,10 @@ class Streamer:
             refs,
             group,
             self.config,
-            functools.partial(_new_tensor, refs, self.device),
+            functools.partial(_new_tensor, refs, self.device, self.config.hugepages),
             ordered=ordered,
+            new_tensors=True,
+            keep_all=keep_all,
         )
         self._run, self._exchange = None, exchange
         return exchange
@@ -269,7 +272,8 @@ class Streamer:
         refs = list(self._checkpoint.refs())
         ordered = self._order == "checkpoint"
         if self._group is not None:
-            iteration = _Iteration(self._new_exchange(refs, self._group, ordered=ordered).results())
+            exchange = self._new_exchange(refs, self._group, ordered=ordered, keep_all=keep_all)
+            iteration = _Iteration(exchange.results())
         else:
             run = self._new_run(refs, ordered=ordered, keep_all=keep_all)
             iteration = _Iteration(run.results())
@@ -320,12 +324,18 @@ class Streamer:
         self.close()
 
 
-def _new_tensor(refs: Sequence[TensorRef], device: torch.device, position: int) -> torch.Tensor:
-    """Fresh memory for a tensor a group read assembles."""
+def _new_tensor(
+    refs: Sequence[TensorRef], device: torch.device, hugepages: bool, position: int
+) -> torch.Tensor:
+    """Fresh memory for a tensor a group read assembles: huge pages for large ones on the CPU
+    where on, since first touch of fresh memory costs more than the copy into it."""
     entry = refs[position].entry
     if entry.nbytes == 0:
         return empty_tensor(entry, device)
-    return torch.empty(entry.shape, dtype=entry.dtype.torch_dtype, device=device)
+    if device.type != "cpu" or not hugepages or entry.nbytes < native.HUGEPAGE_MIN_BYTES:
+        return torch.empty(entry.shape, dtype=entry.dtype.torch_dtype, device=device)
+    buffer, _ = allocate_buffer(entry.nbytes, hugepages=True, budget=MemoryBudget(None))
+    return tensor_view(buffer, 0, entry)
 
 
 def open(

@@ -236,6 +236,13 @@ UNLIMITED: Literal["unlimited"] = "unlimited"
 MemoryLimit = int | Literal["unlimited"] | None
 
 
+def _env_group_shm_dir() -> str | None:
+    raw = os.environ.get("STREAMER_GROUP_SHM_DIR")
+    if raw is None:
+        return "/dev/shm"
+    return None if raw.strip().lower() in ("", "none", "off") else raw.strip()
+
+
 def _env_memory_limit() -> MemoryLimit:
     """``STREAMER_MEMORY_LIMIT``: unset, empty or ``auto`` is None (auto); ``unlimited``, ``none``
     and ``0`` (their meaning before auto existed) are ``UNLIMITED``; anything else is a size."""
@@ -268,6 +275,11 @@ class StreamerConfig:
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.
+    group_shm_dir: a tmpfs where the ranks of a CPU (gloo) group on one host exchange pieces
+        through shared memory instead of gloo's loopback TCP (default ``/dev/shm``,
+        ``STREAMER_GROUP_SHM_DIR``; ``None``, or the variable set to ``none``, sends them through
+        the group's collectives). Ranks that cannot all map each other's files (other hosts,
+        other containers, a full tmpfs) fall back to the collectives on their own.
     cache: a local cache in front of object storage (off unless ``cache.dir`` is set).
     """
 
@@ -284,6 +296,7 @@ class StreamerConfig:
     )
     s3: S3Config = field(default_factory=S3Config)
     group_timeout: float = field(default_factory=lambda: _env_float("STREAMER_GROUP_TIMEOUT", 30.0))
+    group_shm_dir: str | None = field(default_factory=_env_group_shm_dir)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     @property

@@ -35,6 +35,7 @@ from conftest import (
 import streamer
 from streamer import StreamerConfig, StreamerError
 from streamer.group.plan import GroupPlan, Span, make_plan
+from streamer.group.shared import outbox_layout
 
 BUCKET = "group"
 ACCESS_KEY = "AKIDGROUPTEST"
@@ -95,6 +96,22 @@ def test_plan_reads_overlapping_slices_once_and_sends_them_only_where_wanted() -
         elif piece.end <= 400:
             assert piece.wanted_by == (0,)
     assert make_plan(wants, piece_bytes=256) == plan
+
+
+def test_outboxes_alternate_halves_and_hold_only_what_another_rank_wants() -> None:
+    wants: list[list[Span]] = [[(0, 0, 5_000)], [(0, 0, 10_000)]]  # rank 0 wants the first half only
+    plan = make_plan(wants, piece_bytes=1000)
+    offsets, halves = outbox_layout(plan)
+    for index, piece in enumerate(plan.pieces):
+        assert (index in offsets) == (piece.wanted_by != (piece.reader,))
+    assert all(offset % 4096 == 0 for offset in offsets.values())
+    assert [len(r) for r in plan.rounds()] == [2] * 5
+    # Rank 0 reads [0, 5000), all wanted by rank 1: a 1000-byte piece (a page) per round; no one
+    # else wants what rank 1 reads.
+    assert halves == [4096, 0]
+    wide = make_plan([[(0, 0, 6000)], [(0, 0, 6000)], [(0, 0, 6000)]], piece_bytes=1000)
+    assert [list(r) for r in wide.rounds()] == [[0, 1, 2], [3, 4, 5]]
+    assert outbox_layout(wide)[1] == [4096] * 3
 
 
 # --- ranks -------------------------------------------------------------------------------------------
@@ -190,9 +207,10 @@ def _loads(
     expected = _reference(shards)
     got, names, metrics = _iterate(source, settings)
     report: dict[str, Any] = {"iterate": _differences(got, expected), "metrics": metrics}
-    got, names, _ = _iterate(source, settings, order="checkpoint")
+    got, names, ordered_metrics = _iterate(source, settings, order="checkpoint")
     report["checkpoint_order"] = names
     report["ordered"] = _differences(got, expected)
+    report["ordered_transport"] = ordered_metrics["group"]["transport"]
     report["load"] = _differences(streamer.load(source, config=settings, group=dist.group.WORLD), expected)
     dest = {name: torch.zeros_like(t) for name, t in expected.items()}
     streamer.load_into(dest, source, config=settings, group=dist.group.WORLD)
@@ -286,7 +304,57 @@ def _subsets(
     return report
 
 
-SCENARIOS = {"loads": _loads, "s3": _s3, "failures": _failures, "subsets": _subsets}
+def _shm_per_rank(
+    rank: int, world: int, source: str, shards: list[str], directories: list[str | None]
+) -> dict[str, Any]:
+    """Each rank with its own ``group_shm_dir``: ranks that cannot map each other's outboxes."""
+    settings = config(group_shm_dir=directories[rank])
+    got, _, metrics = _iterate(source, settings)
+    return {"differences": _differences(got, _reference(shards)), "metrics": metrics}
+
+
+def _shared_copy(rank: int, world: int, source: str, shards: list[str], directory: str) -> dict[str, Any]:
+    """``load`` through the host's shared copy: a rank that writes into its tensors changes only
+    its own; the copy is unmapped once the tensors are gone."""
+    import gc
+
+    expected = _reference(shards)
+    settings = config(group_shm_dir=directory)
+    with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
+        loaded = dict(handle._iterate(keep_all=True))
+        transport = handle.metrics["group"]["transport"]
+    if rank == 0:
+        loaded["matrix"].view(torch.uint8).fill_(7)
+        loaded["large.00"].zero_()
+    dist.barrier()
+    others = {name: t for name, t in expected.items() if rank != 0 or name not in ("matrix", "large.00")}
+    report: dict[str, Any] = {
+        "transport": transport,
+        "untouched": _differences({n: loaded[n] for n in others}, others),
+    }
+    if rank == 0:
+        report["written"] = (
+            bool((loaded["matrix"].view(torch.uint8) == 7).all()) and not loaded["large.00"].any()
+        )
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines() if "streamer-group" in line]
+    report["mapped_while_held"] = len(mapped)
+    del loaded, others
+    gc.collect()
+    dist.barrier()
+    report["mapped_after"] = [
+        line for line in Path("/proc/self/maps").read_text().splitlines() if "streamer-group" in line
+    ]
+    return report
+
+
+SCENARIOS = {
+    "shared_copy": _shared_copy,
+    "loads": _loads,
+    "s3": _s3,
+    "failures": _failures,
+    "subsets": _subsets,
+    "shm_per_rank": _shm_per_rank,
+}
 
 
 # --- cases -------------------------------------------------------------------------------------------
@@ -306,13 +374,21 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> Written:
     return write_checkpoint(tmp_path_factory.mktemp("group") / "checkpoint", tensors, shards=2)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("world", "shared"), [(2, True), (3, True), (2, False)])
 def test_every_rank_gets_every_tensor_bit_exact_reading_about_its_share(
-    tmp_path: Path, written: Written, world: int
+    tmp_path: Path, written: Written, world: int, shared: bool
 ) -> None:
     shards = [str(s) for s in written.shards]
     limit = 256 * KiB
-    reports = _spawn(tmp_path, world, "loads", str(written.source), shards, config(), limit)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    settings = config(group_shm_dir=str(shm) if shared else None)
+    reports = _spawn(tmp_path, world, "loads", str(written.source), shards, settings, limit)
+    assert list(shm.iterdir()) == []  # every shared file unlinked
+    # Same host: one shared copy where the whole load fits the limit (the auto one, here), outboxes
+    # under a limit smaller than the checkpoint; the collectives when told not to share memory.
+    transport = "shared copy" if shared else "collectives"
+    limited_transport = "shared outboxes" if shared else "collectives"
     total = written.nbytes
     reads = []
     for rank, report in enumerate(reports):
@@ -321,6 +397,8 @@ def test_every_rank_gets_every_tensor_bit_exact_reading_about_its_share(
         assert report["checkpoint_order"] == list(_reference(shards))
         group = report["metrics"]["group"]
         assert group["world_size"] == world and group["rank"] == rank
+        assert group["transport"] == report["ordered_transport"] == transport
+        assert report["limited_metrics"]["group"]["transport"] == limited_transport
         reads.append(report["metrics"]["bytes_read"])
         assert group["received_bytes"] == total - group["share_bytes"]
         limited = report["limited_metrics"]
@@ -348,6 +426,46 @@ def test_each_rank_gets_exactly_the_slices_it_asked_for_and_unwanted_bytes_are_n
         # Only pieces it wants come to a rank (a piece may hold a little more than its share).
         assert group["received_bytes"] <= report["wanted_bytes"] + 4 * 128 * KiB
     assert reports[2]["metrics"]["group"]["received_bytes"] < union - tensors["large.01"].nbytes
+
+
+def test_the_shared_copy_is_private_to_each_rank_once_handed_out_and_unmapped_after(
+    tmp_path: Path, written: Written
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    reports = _spawn(
+        tmp_path, 2, "shared_copy", str(written.source), [str(s) for s in written.shards], str(shm)
+    )
+    for rank, report in enumerate(reports):
+        assert report["transport"] == "shared copy"
+        assert report["untouched"] == [], f"rank {rank}: {report['untouched']}"  # rank 0's writes stay there
+        assert report["mapped_while_held"] > 0
+        assert report["mapped_after"] == [], f"rank {rank}"
+    assert reports[0]["written"]
+    assert list(shm.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", ["other hosts", "one rank opts out", "missing directory", "a file"])
+def test_ranks_that_cannot_share_memory_fall_back_to_collectives_together(
+    tmp_path: Path, written: Written, case: str
+) -> None:
+    shm = [tmp_path / "shm0", tmp_path / "shm1"]
+    for directory in shm:
+        directory.mkdir()
+    (tmp_path / "a-file").write_bytes(b"")
+    directories: list[str | None] = {
+        "other hosts": [str(shm[0]), str(shm[1])],  # each sees only its own outbox
+        "one rank opts out": [str(shm[0]), None],
+        "missing directory": [str(shm[0]), str(tmp_path / "missing")],
+        "a file": [str(tmp_path / "a-file"), str(tmp_path / "a-file")],
+    }[case]
+    reports = _spawn(
+        tmp_path, 2, "shm_per_rank", str(written.source), [str(s) for s in written.shards], directories
+    )
+    for report in reports:
+        assert report["differences"] == []
+        assert report["metrics"]["group"]["transport"] == "collectives"
+    assert list(shm[0].iterdir()) == list(shm[1].iterdir()) == []
 
 
 @pytest.fixture(scope="module")
@@ -385,8 +503,11 @@ def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeo
 ) -> None:
     shutil.copytree(written.directory, tmp_path / "checkpoint")
     timeout = 4.0
-    settings = config(group_timeout=timeout)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    settings = config(group_timeout=timeout, group_shm_dir=str(shm))
     survivor, _ = _spawn(tmp_path, 2, "failures", str(tmp_path), settings, expect_dead=(1,))
+    assert list(shm.iterdir()) == []  # nothing left behind by the rank that died either
     assert survivor["different_checkpoints"] == "ConfigError"
     kind, message, seconds = survivor["read_failure"]
     assert kind == "StreamerError" and "rank(s) [1]" in message

@@ -9,12 +9,16 @@ before each round of pieces every rank says whether its read of that round faile
 ``all_reduce``): a rank that fails makes the others raise a ``StreamerError`` at once, a rank
 that dies or stops calling makes them raise within the timeout, never hang.
 
-A piece every rank wants is broadcast; one that only some want goes point to point. Both are
-backend-agnostic: pieces travel in CPU buffers for gloo and on the rank's CUDA device for NCCL.
+Ranks of a CPU group on one host pass pieces through shared memory (``shared.py``): the reader
+posts a piece in its outbox before the round's status ``all_reduce`` and the ranks that want it
+copy from there after it. Otherwise a piece every rank wants is broadcast and one that only some
+want goes point to point, backend-agnostic: in CPU buffers for gloo, on the rank's CUDA device
+for NCCL.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -28,18 +32,31 @@ import torch.distributed as dist
 from streamer.backends.base import Storage
 from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.destinations.cpu import tensor_view
 from streamer.errors import ConfigError, StreamerError
 from streamer.format import DTYPES
 from streamer.format.safetensors import TensorEntry
-from streamer.group.plan import GroupPlan, Piece, Span, make_plan, union_bytes
+from streamer.group.plan import GroupPlan, Piece, Span, make_plan, merged, union_bytes
+from streamer.group.shared import SharedOutboxes, SharedRegion, region_layout
+from streamer.memory import streaming_budget
 from streamer.run.cpu import CpuSink
-from streamer.run.driver import Run
+from streamer.run.driver import Run, SinkFor
+from streamer.run.region import RegionSink
 from streamer.selection import run_then_close
+
+_TRANSPORTS: dict[type, str] = {
+    SharedRegion: "shared copy",
+    SharedOutboxes: "shared outboxes",
+    type(None): "collectives",
+}
 
 Destination = Callable[[int], torch.Tensor]
 """The tensor this rank's wanted ref at a position is assembled in."""
 
 _PIECE_MAX = 64 << 20  # pieces large enough that a collective costs little per byte
+# Through shared memory a piece costs one small all_reduce per round, and every byte of the
+# buffers it passes through is fresh memory to fault in once: smaller pieces, smaller buffers.
+_SHARED_PIECE_MAX = 8 << 20
 _PIECE_MIN = 128 << 10
 
 
@@ -56,7 +73,12 @@ class GroupExchange:
         destination: Destination,
         *,
         ordered: bool,
+        new_tensors: bool = False,
+        keep_all: bool = False,
     ) -> None:
+        """``new_tensors``: ``destination`` makes fresh tensors, which views of the host's shared
+        copy may replace; ``keep_all``: the caller keeps every tensor (``load``), so the shared
+        copy may hold them all whatever the memory limit."""
         self._checkpoint = checkpoint
         self._storage = storage
         self._config = config
@@ -69,6 +91,8 @@ class GroupExchange:
         self._timeout = datetime.timedelta(seconds=config.group_timeout)
         self._ordered = ordered
         self._destination = destination
+        self._new_tensors = new_tensors
+        self._keep_all = keep_all
         self._wire = (
             torch.device("cuda", torch.cuda.current_device())
             if dist.get_backend(group) == "nccl"
@@ -80,6 +104,7 @@ class GroupExchange:
         self._next_position = 0  # ordered: the next position to hand out
         self.exchange_seconds = 0.0
         self.received_bytes = 0
+        self.transport = _TRANSPORTS[type(None)]  # until the ranks agree on one
 
     def stats(self) -> dict[str, Any]:
         """What the exchange did on this rank, for ``Streamer.metrics``."""
@@ -90,6 +115,7 @@ class GroupExchange:
             "pieces": 0 if plan is None else len(plan.pieces),
             "share_bytes": 0 if plan is None else plan.share_bytes(self._rank),
             "received_bytes": self.received_bytes,
+            "transport": self.transport,
             "exchange_seconds": self.exchange_seconds,
         }
 
@@ -102,17 +128,27 @@ class GroupExchange:
 
     def _exchange(self) -> Iterator[tuple[str, torch.Tensor]]:
         wants = self._gather_wants()
-        piece_bytes = _piece_bytes(self._config, union_bytes(wants), self._world)
+        union = union_bytes(wants)
+        shared_likely = self._wire.type == "cpu" and self._config.group_shm_dir is not None
+        largest = _SHARED_PIECE_MAX if shared_likely else _PIECE_MAX
+        piece_bytes = _piece_bytes(self._config, union, self._world, largest)
         self._plan = plan = make_plan(wants, piece_bytes)
-        cpu = functools.partial(
-            CpuSink,
-            self._config,
-            one_receiver=self._storage.one_receiver,
-            request_bytes=self._storage.read_cost.request_bytes,
-            file_grid=self._storage.file_grid,
-        )
-        mine = [_piece_ref(index, plan.pieces[index]) for index in plan.share(self._rank)]
-        self.run = Run(self._checkpoint, mine, self._config, cpu, ordered=True, storage=self._storage)
+        link = self._connect(plan, union)
+        self.transport = _TRANSPORTS[type(link)]
+        try:
+            yield from self._rounds(plan, link, piece_bytes)
+        finally:
+            self.close()  # no read may land in a mapping after it is gone
+            if link is not None:
+                link.close()
+
+    def _rounds(
+        self, plan: GroupPlan, link: SharedRegion | SharedOutboxes | None, piece_bytes: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Reads this rank's share and moves the plan's pieces, a round at a time."""
+        region = link if isinstance(link, SharedRegion) else None
+        outboxes = link if isinstance(link, SharedOutboxes) else None
+        self.run = self._share_run(plan, region, piece_bytes)
         own = self.run.results()
         left = [0] * len(self._refs)
         for piece in plan.pieces:
@@ -124,36 +160,81 @@ class GroupExchange:
         for position in whole:
             tensors[position] = self._destination(position)
         pieces = plan.pieces
-        # Pieces from other ranks land in one reused buffer: fresh memory per piece would fault in
-        # every page again (~16k faults per 64 MiB), which was most of the exchange time measured.
-        inbox = torch.empty(max((p.nbytes for p in pieces), default=0), dtype=torch.uint8, device=self._wire)
-        for first in range(0, len(pieces), self._world):
-            round_ = range(first, min(first + self._world, len(pieces)))
+        # Through the collectives, pieces from other ranks land in one reused buffer: fresh memory
+        # per piece would fault in every page again (~16k faults per 64 MiB).
+        inbox = torch.empty(
+            max((p.nbytes for p in pieces), default=0) if link is None else 0,
+            dtype=torch.uint8,
+            device=self._wire,
+        )
+        for round_number, round_ in enumerate(plan.rounds()):
             held, failure = self._read_round(own, [i for i in round_ if pieces[i].reader == self._rank])
+            if outboxes is not None and failure is None:
+                self._post(outboxes, held, round_number)
             self._check_round(failure)
             for index in round_:
                 piece = pieces[index]
                 buffer = held.pop(index, None)
-                if self._rank not in piece.wanted_by and buffer is None:
-                    continue  # neither read nor wanted here
-                if buffer is None:
-                    buffer = inbox[: piece.nbytes]
-                self._send(buffer, index, piece)
+                if self._rank not in piece.wanted_by:
+                    continue  # read for others only, or neither read nor wanted here
+                if piece.reader != self._rank:
+                    self.received_bytes += piece.nbytes
+                if region is not None:
+                    buffer = region.view(piece.file, piece.begin, piece.end) if buffer is None else buffer
+                elif outboxes is not None:
+                    buffer = outboxes.piece(index, round_number) if buffer is None else buffer
+                else:
+                    buffer = inbox[: piece.nbytes] if buffer is None else buffer
+                    self._send(buffer, index, piece)
                 for part in piece.parts:
                     if part.rank != self._rank:
                         continue
+                    left[part.position] -= 1
+                    if left[part.position] == 0:
+                        whole.append(part.position)
+                    if region is not None and self._new_tensors:
+                        continue  # handed out as a view of the region once whole
                     if part.position not in tensors:
                         tensors[part.position] = self._destination(part.position)
                     target = _bytes_of(tensors[part.position])
                     target[part.tensor_offset : part.tensor_offset + part.nbytes].copy_(
                         buffer[part.piece_offset : part.piece_offset + part.nbytes]
                     )
-                    left[part.position] -= 1
-                    if left[part.position] == 0:
-                        whole.append(part.position)
+                del buffer  # a view of shared memory must not outlive the mapping
+            if region is not None and self._new_tensors:
+                for position in whole:
+                    tensors.setdefault(position, self._region_tensor(region, position))
             yield from self._deliver(whole, tensors)
             whole = []
         yield from self._deliver(whole, tensors)
+
+    def _share_run(self, plan: GroupPlan, region: SharedRegion | None, piece_bytes: int) -> Run:
+        """The run that reads this rank's share: into the host's shared copy, or CPU buffers."""
+        storage = self._storage
+        mine = [_piece_ref(index, plan.pieces[index]) for index in plan.share(self._rank)]
+        if region is not None:
+            sink: SinkFor = functools.partial(
+                RegionSink,
+                region,
+                self._config,
+                one_receiver=storage.one_receiver,
+                request_bytes=storage.read_cost.request_bytes,
+                file_grid=storage.file_grid,
+            )
+            return Run(self._checkpoint, mine, self._config, sink, ordered=True, storage=storage)
+        config = _share_config(self._config, storage, piece_bytes)
+        sink = functools.partial(
+            CpuSink,
+            config,
+            one_receiver=storage.one_receiver,
+            request_bytes=storage.read_cost.request_bytes,
+            file_grid=storage.file_grid,
+        )
+        return Run(self._checkpoint, mine, config, sink, ordered=True, storage=storage)
+
+    def _region_tensor(self, region: SharedRegion, position: int) -> torch.Tensor:
+        ref = self._refs[position]
+        return tensor_view(region.view(ref.file, ref.entry.begin, ref.entry.end), 0, ref.entry)
 
     def _deliver(
         self, whole: list[int], tensors: dict[int, torch.Tensor]
@@ -218,11 +299,43 @@ class GroupExchange:
             return {}, error
         return held, None
 
+    def _connect(self, plan: GroupPlan, union: int) -> SharedRegion | SharedOutboxes | None:
+        """How pieces move, agreed by every rank: the host's shared copy, where the ranks share a
+        host and this load may hold every wanted byte at once (the caller keeps everything, or it
+        fits the memory limit); else shared-memory outboxes; else (other hosts, a GPU group, no
+        tmpfs) the group's collectives."""
+        directory = self._config.group_shm_dir
+        if self._wire.type != "cpu" or self._world == 1:
+            return None
+        budget = streaming_budget(self._config, [r.entry.nbytes for r in self._refs]).limit
+        whole_fits = self._keep_all or budget is None or union <= budget
+        votes = self._all_gather(
+            torch.tensor([directory is not None, whole_fits and union > 0], dtype=torch.int64),
+            "agreeing how pieces move",
+        )
+        if directory is None or not all(int(v[0]) for v in votes):
+            return None
+        if all(int(v[1]) for v in votes):
+            layout = region_layout(merged([(p.file, p.begin, p.end) for p in plan.pieces]))
+            share = merged([(p.file, p.begin, p.end) for p in plan.pieces if p.reader == self._rank])
+            region = SharedRegion.connect(layout, share, self._rank, directory, self._all_gather)
+            if region is not None:
+                return region
+        return SharedOutboxes.connect(plan, self._rank, directory, self._all_gather)
+
+    def _post(self, shared: SharedOutboxes, held: dict[int, torch.Tensor], round_number: int) -> None:
+        started = time.perf_counter()
+        for index, piece in held.items():
+            shared.post(index, round_number, piece)
+        self.exchange_seconds += time.perf_counter() - started
+
     def _check_round(self, failure: BaseException | None) -> None:
         """Every rank says whether its reads failed before any byte moves."""
         status = torch.zeros(self._world, dtype=torch.int32, device=self._wire)
         status[self._rank] = 0 if failure is None else 1
+        started = time.perf_counter()
         self._wait(dist.all_reduce(status, group=self._group, async_op=True), "exchanging read status")
+        self.exchange_seconds += time.perf_counter() - started
         failed = [rank for rank, flag in enumerate(status.tolist()) if flag]
         if failure is not None:
             raise failure
@@ -249,8 +362,6 @@ class GroupExchange:
         for work in works:
             self._wait(work, "exchanging a piece")
         self.exchange_seconds += time.perf_counter() - started
-        if piece.reader != self._rank:
-            self.received_bytes += piece.nbytes
 
     def _wait(self, work: dist.Work | None, doing: str) -> None:
         assert work is not None
@@ -271,12 +382,23 @@ def layout_digest(checkpoint: Checkpoint) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
-def _piece_bytes(config: StreamerConfig, total: int, world_size: int) -> int:
+def _piece_bytes(config: StreamerConfig, total: int, world_size: int, largest: int) -> int:
     """About eight pieces per rank (shares balanced within a sixteenth), at most a quarter of an
     explicit memory limit."""
-    size = min(_PIECE_MAX, max(_PIECE_MIN, -(-total // (8 * world_size))))
+    size = min(largest, max(_PIECE_MIN, -(-total // (8 * world_size))))
     limit = config.explicit_memory_limit
     return size if limit is None else max(DIRECT_IO_ALIGNMENT, min(size, limit // 4))
+
+
+def _share_config(config: StreamerConfig, storage: Storage, piece_bytes: int) -> StreamerConfig:
+    """The config this rank reads its share under. Without a limit of the user's, the auto budget
+    (at least 1 GiB) would let the whole share land in fresh memory; two pieces being exchanged
+    plus a round of reads keep every reader busy, and the run's buffers come back round after
+    round, where first touch (zeroing pages) is what fresh memory costs."""
+    if config.memory_limit is not None:
+        return config
+    readers = config.concurrency if storage.reads_in_engine else config.s3.concurrency
+    return dataclasses.replace(config, memory_limit=2 * piece_bytes + readers * config.block_size)
 
 
 def _piece_name(index: int) -> str:

@@ -62,13 +62,19 @@ class GroupPlan:
     def share_bytes(self, rank: int) -> int:
         return sum(p.nbytes for p in self.pieces if p.reader == rank)
 
+    def rounds(self) -> list[range]:
+        """The pieces (indices) exchanged together, ``world_size`` at a time in exchange order:
+        the ranks agree their reads succeeded once per round."""
+        count, world = len(self.pieces), self.world_size
+        return [range(first, min(first + world, count)) for first in range(0, count, world)]
+
 
 def make_plan(wants: Sequence[Sequence[Span]], piece_bytes: int) -> GroupPlan:
     """Plans the exchange among ``len(wants)`` ranks; spans may overlap (slices of one tensor)."""
     world_size = len(wants)
     if world_size < 1 or piece_bytes < 1:
         raise ValueError(f"world_size and piece_bytes must be positive, got {world_size}, {piece_bytes}")
-    ranges = _pieces(_merged([span for spans in wants for span in spans]), piece_bytes)
+    ranges = _pieces(merged([span for spans in wants for span in spans]), piece_bytes)
     total = sum(end - begin for _, begin, end in ranges)
     starts = [(file, begin) for file, begin, _ in ranges]
     parts: list[list[Part]] = [[] for _ in ranges]
@@ -100,10 +106,10 @@ def make_plan(wants: Sequence[Sequence[Span]], piece_bytes: int) -> GroupPlan:
 
 def union_bytes(wants: Sequence[Sequence[Span]]) -> int:
     """Bytes at least one rank wants: what the group reads."""
-    return sum(end - begin for _, begin, end in _merged([span for spans in wants for span in spans]))
+    return sum(end - begin for _, begin, end in merged([span for spans in wants for span in spans]))
 
 
-def _merged(spans: Sequence[Span]) -> list[Span]:
+def merged(spans: Sequence[Span]) -> list[Span]:
     """The wanted bytes as disjoint ``(file, begin, end)`` ranges in file and offset order;
     touching ranges are joined (they can be read as one)."""
     merged: list[Span] = []
