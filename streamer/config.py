@@ -275,11 +275,12 @@ class StreamerConfig:
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.
-    group_shm_dir: a tmpfs where the ranks of a CPU (gloo) group on one host exchange pieces
-        through shared memory instead of gloo's loopback TCP (default ``/dev/shm``,
-        ``STREAMER_GROUP_SHM_DIR``; ``None``, or the variable set to ``none``, sends them through
-        the group's collectives). Ranks that cannot all map each other's files (other hosts,
-        other containers, a full tmpfs) fall back to the collectives on their own.
+    group_shm_dir: a tmpfs where the ranks of a CPU (gloo) group on one host share what they
+        read instead of sending it over gloo's loopback TCP: one copy of the checkpoint per host,
+        or small outboxes under a memory limit (default ``/dev/shm``, ``STREAMER_GROUP_SHM_DIR``;
+        ``None``, or the variable set to ``none``, sends pieces through the group's collectives).
+        Ranks that cannot all map the same files (other hosts, other containers, a full tmpfs)
+        fall back to the collectives on their own.
     cache: a local cache in front of object storage (off unless ``cache.dir`` is set).
     """
 

@@ -11,5 +11,7 @@ Contract (every rank of the group must keep it, or the others raise after ``grou
   still yields in checkpoint order, later.
 
 ``plan.py`` decides, identically on every rank, which rank reads which bytes; ``exchange.py``
-reads this rank's share through an ordinary run and broadcasts every piece from its reader.
+reads this rank's share through an ordinary run and moves every piece from its reader to the
+ranks that want it: through shared memory between ranks of one host (``shared.py``), else with
+the group's collectives.
 """

@@ -9,11 +9,17 @@ before each round of pieces every rank says whether its read of that round faile
 ``all_reduce``): a rank that fails makes the others raise a ``StreamerError`` at once, a rank
 that dies or stops calling makes them raise within the timeout, never hang.
 
-Ranks of a CPU group on one host pass pieces through shared memory (``shared.py``): the reader
-posts a piece in its outbox before the round's status ``all_reduce`` and the ranks that want it
-copy from there after it. Otherwise a piece every rank wants is broadcast and one that only some
-want goes point to point, backend-agnostic: in CPU buffers for gloo, on the rank's CUDA device
-for NCCL.
+How pieces move is agreed by all ranks before the first read (``_connect``):
+
+- **shared copy**: ranks of a CPU group on one host whose load may hold every wanted byte at once
+  (``load``, ``group_read``, or a checkpoint within the memory limit) read their shares straight
+  into one tmpfs copy of the checkpoint (``shared.py``, ``run/region.py``); a rank's tensors are
+  copy-on-write views of it, so no byte is copied and the host holds the checkpoint once;
+- **shared outboxes**: on one host under a smaller limit, the reader copies a piece into its
+  outbox before the round's status ``all_reduce`` and the ranks that want it copy it out after;
+- **collectives**: otherwise (ranks on other hosts, a GPU group, no tmpfs), a piece every rank
+  wants is broadcast and one that only some want goes point to point, backend-agnostic: in CPU
+  buffers for gloo, on the rank's CUDA device for NCCL.
 """
 
 from __future__ import annotations
@@ -217,7 +223,6 @@ class GroupExchange:
                 RegionSink,
                 region,
                 self._config,
-                one_receiver=storage.one_receiver,
                 request_bytes=storage.read_cost.request_bytes,
                 file_grid=storage.file_grid,
             )
@@ -317,8 +322,7 @@ class GroupExchange:
             return None
         if all(int(v[1]) for v in votes):
             layout = region_layout(merged([(p.file, p.begin, p.end) for p in plan.pieces]))
-            share = merged([(p.file, p.begin, p.end) for p in plan.pieces if p.reader == self._rank])
-            region = SharedRegion.connect(layout, share, self._rank, directory, self._all_gather)
+            region = SharedRegion.connect(layout, self._rank, directory, self._all_gather)
             if region is not None:
                 return region
         return SharedOutboxes.connect(plan, self._rank, directory, self._all_gather)

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from streamer.config import DIRECT_IO_ALIGNMENT
+from streamer.engine import native
 from streamer.group.plan import GroupPlan, Span
 
 AllGather = Callable[[torch.Tensor, str], list[torch.Tensor]]
@@ -36,7 +37,6 @@ AllGather = Callable[[torch.Tensor, str], list[torch.Tensor]]
 
 _ALIGN = 4096  # pieces start on page boundaries in an outbox
 _PREFIX = "streamer-group"
-_READ_THROUGH = 4 << 20  # the longest gap a run reads through rather than skips (an S3 request's worth)
 _MADV_POPULATE_READ = 22
 
 
@@ -123,7 +123,8 @@ class RegionLayout:
     ``starts[f]`` (aligned down to the direct-I/O alignment, so reads land aligned) at ``bases[f]``.
 
     Each file's span is kept whole, so a read that runs through a short gap between two wanted
-    ranges (cheaper read than skipped) still lands inside; only what reads touch is reserved.
+    ranges (cheaper read than skipped) still lands inside; the file is sparse, and only the pages
+    reads land in are ever allocated (``SharedRegion.reserve``).
     """
 
     starts: dict[int, int]
@@ -132,17 +133,6 @@ class RegionLayout:
 
     def offset(self, file: int, position: int) -> int:
         return self.bases[file] + position - self.starts[file]
-
-    def extents(self, spans: Sequence[Span]) -> list[tuple[int, int]]:
-        """``(offset, length)`` of what reading ``spans`` (in file and offset order) may touch:
-        each rounded out to the alignment, joined across gaps a read may run through."""
-        extents: list[tuple[int, int]] = []
-        for file, begin, end in spans:
-            low, high = self.offset(file, _align_down(begin)), self.offset(file, _align_up(end))
-            if extents and low - (extents[-1][0] + extents[-1][1]) < _READ_THROUGH:
-                low = extents.pop()[0]
-            extents.append((low, high - low))
-        return extents
 
 
 def region_layout(ranges: Sequence[Span]) -> RegionLayout:
@@ -169,8 +159,12 @@ class SharedRegion:
     tensor viewing it dies, on every rank.
     """
 
-    def __init__(self, layout: RegionLayout, shared: mmap.mmap, private: mmap.mmap) -> None:
+    def __init__(
+        self, layout: RegionLayout, fd: int, shared: mmap.mmap, private: mmap.mmap, directory: str
+    ) -> None:
         self.layout = layout
+        self.directory = directory
+        self._fd = fd
         self._shared: mmap.mmap | None = shared
         self._shared_bytes = torch.frombuffer(shared, dtype=torch.uint8)
         self._private = private
@@ -178,10 +172,10 @@ class SharedRegion:
 
     @classmethod
     def connect(
-        cls, layout: RegionLayout, share: Sequence[Span], rank: int, directory: str, all_gather: AllGather
+        cls, layout: RegionLayout, rank: int, directory: str, all_gather: AllGather
     ) -> SharedRegion | None:
-        """Rank 0 creates the file; every rank reserves the pages its ``share`` is read into (in
-        parallel: reserving zeroes them) and maps it, or ``None`` on every rank if one cannot."""
+        """Rank 0 creates the file; every rank maps it, or ``None`` on every rank if one cannot.
+        Each rank reserves the pages of its share as it reads (``reserve``)."""
         token = secrets.randbits(62)
         path = Path(directory) / _outbox_name(os.getpid(), token)
         created = rank == 0 and _create(path, layout.size, ())
@@ -191,7 +185,7 @@ class SharedRegion:
             names = all_gather(torch.tensor([int(created), os.getpid(), token], dtype=torch.int64), doing)
             made, pid, token_0 = names[0].tolist()
             if made:
-                region = _map_region(Path(directory) / _outbox_name(pid, token_0), layout, share)
+                region = _map_region(Path(directory) / _outbox_name(pid, token_0), layout, directory)
             agreed = all_gather(torch.tensor([region is not None], dtype=torch.int64), doing)
             if all(int(a[0]) for a in agreed):
                 return region
@@ -201,6 +195,13 @@ class SharedRegion:
         finally:
             if created:
                 path.unlink()
+
+    def reserve(self, file: int, begin: int, end: int) -> None:
+        """Allocates the pages file bytes ``[begin, end)`` are read into and maps them in, so a
+        full tmpfs is an ``OSError`` here, never a SIGBUS in a reader."""
+        start = self.layout.offset(file, begin)
+        os.posix_fallocate(self._fd, start, end - begin)
+        native.populate(self.shared_address(file, begin), end - begin)  # fewer faults; best effort
 
     def shared_address(self, file: int, position: int) -> int:
         """Where this rank reads file bytes at ``position`` to."""
@@ -216,28 +217,28 @@ class SharedRegion:
         """Drops the shared mapping (this rank reads no more); the private one lives on in its views."""
         shared, self._shared = self._shared, None
         if shared is not None:
+            os.close(self._fd)
             del self._shared_bytes
             with contextlib.suppress(BufferError):
                 shared.close()
 
 
-def _map_region(path: Path, layout: RegionLayout, share: Sequence[Span]) -> SharedRegion | None:
+def _map_region(path: Path, layout: RegionLayout, directory: str) -> SharedRegion | None:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size != layout.size:
+        free = os.fstatvfs(fd)
+        if os.fstat(fd).st_size != layout.size or free.f_bavail * free.f_frsize < layout.size:
+            os.close(fd)
             return None
-        for offset, length in layout.extents(share):
-            os.posix_fallocate(fd, offset, length)
         shared = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED)
         private = mmap.mmap(fd, layout.size, flags=mmap.MAP_PRIVATE)
-        return SharedRegion(layout, shared, private)
+        return SharedRegion(layout, fd, shared, private, directory)
     except (OSError, ValueError):  # ValueError: nothing to map
-        return None
-    finally:
         os.close(fd)
+        return None
 
 
 def _populate(mapped: mmap.mmap, start: int, length: int) -> None:

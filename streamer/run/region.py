@@ -2,24 +2,29 @@
 checkpoint (``group/shared.py``), where every rank of the host takes its tensors from, so no byte
 is copied on its way to any of them.
 
-The region is memory already reserved for the whole load, so every read is queued at once and
-nothing is charged to a budget; a tensor (a piece of the share) is a view of the region.
+The copy is a sparse tmpfs file. A thread of the sink's own reserves the pages of each segment
+(allocating and zeroing them is most of what they cost) ahead of the reads, which are queued as
+their pages are ready; nothing is charged to a budget, since the copy is the destination.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
-from streamer.destinations.cpu import Prefaulter, empty_tensor
+from streamer.destinations.cpu import empty_tensor
 from streamer.engine import native
+from streamer.errors import StreamerError
 from streamer.group.shared import SharedRegion
 from streamer.metrics import LoadMetrics
 from streamer.planner import plan_segments
 from streamer.run.driver import Submit
 from streamer.selection import Selection
+
+SEGMENT_BYTES = 128 << 20  # what is reserved at a time: reads start after the first one
 
 
 class RegionSink:
@@ -32,13 +37,10 @@ class RegionSink:
         selection: Selection,
         metrics: LoadMetrics,
         *,
-        one_receiver: bool,
         request_bytes: int,
         file_grid: bool,
     ) -> None:
         self._region: SharedRegion | None = region
-        # As for CPU buffers: where one thread receives every byte, pages are mapped in elsewhere.
-        self._prefaulter = Prefaulter() if one_receiver and selection.files else None
         self._refs = selection.refs
         self._files = selection.files  # engine file -> checkpoint file
         self._units = selection.units()
@@ -46,12 +48,17 @@ class RegionSink:
         self._segments = plan_segments(
             self._units,
             block_size=config.block_size,
-            segment_bytes=None,
+            segment_bytes=SEGMENT_BYTES,
             alignment=DIRECT_IO_ALIGNMENT,
             request_bytes=request_bytes,
             file_grid=file_grid,
         )
-        self._submitted = False
+        self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-reserve")
+        self._reserved: list[Future[None]] = [
+            self._reserver.submit(region.reserve, self._files[s.file], s.buffer_begin, s.buffer_end)
+            for s in self._segments
+        ]
+        self._next_segment = 0
         self._in_flight = 0
         self._completed: list[int] = []
         self.metrics = metrics
@@ -61,15 +68,25 @@ class RegionSink:
         return self._units
 
     def submit_what_fits(self, submit: Submit) -> bool:
+        """Queues the segments whose pages are reserved, in order; False while the next is not."""
         region = self._region
-        if not self._submitted and region is not None:
-            self._submitted = True
-            for segment in self._segments:
-                self._in_flight += segment.last_unit - segment.first_unit + 1
-                address = region.shared_address(self._files[segment.file], segment.buffer_begin)
-                if self._prefaulter is not None:
-                    self._prefaulter.submit(address, segment.size)
-                submit(segment.blocks, address)
+        while region is not None and self._next_segment < len(self._segments):
+            reserved = self._reserved[self._next_segment]
+            if not reserved.done():
+                return False
+            segment = self._segments[self._next_segment]
+            try:
+                reserved.result()
+            except OSError as error:
+                raise StreamerError(
+                    f"the shared copy of the checkpoint in {region.directory} cannot grow by "
+                    f"{segment.size} bytes ({error.strerror}): free room there, or set "
+                    "STREAMER_GROUP_SHM_DIR=none",
+                    path=region.directory,
+                ) from error
+            self._next_segment += 1
+            self._in_flight += segment.last_unit - segment.first_unit + 1
+            submit(segment.blocks, region.shared_address(self._files[segment.file], segment.buffer_begin))
         return True
 
     @property
@@ -78,14 +95,16 @@ class RegionSink:
 
     @property
     def busy(self) -> bool:
-        return False
+        return self._next_segment < len(self._segments)
 
     def on_read(self, units: Sequence[int]) -> None:
         self._in_flight -= len(units)
         self._completed.extend(self._position[unit] for unit in units)
 
     def settle(self) -> None:
-        """Nothing of the sink's own to wait for."""
+        """Nothing is being read: waits for the next segment's pages."""
+        if self._next_segment < len(self._segments):
+            wait([self._reserved[self._next_segment]])
 
     def completed(self) -> list[int]:
         completed, self._completed = self._completed, []
@@ -103,9 +122,6 @@ class RegionSink:
         return 0
 
     def close(self) -> None:
-        """Stops prefaulting and lets go of the region: its memory goes with the last view of it."""
+        """Stops reserving and lets go of the region: its memory goes with the last view of it."""
+        self._reserver.shutdown(wait=True, cancel_futures=True)
         self._region = None
-        prefaulter, self._prefaulter = self._prefaulter, None
-        if prefaulter is not None:
-            prefaulter.close()
-            self.metrics.prefault_bytes = prefaulter.submitted
