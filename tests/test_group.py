@@ -34,6 +34,7 @@ from conftest import (
 
 import streamer
 from streamer import StreamerConfig, StreamerError
+from streamer.config import CacheConfig
 from streamer.group.plan import GroupPlan, Span, make_plan
 from streamer.group.shared import outbox_layout
 
@@ -235,6 +236,20 @@ def _s3(rank: int, world: int, url: str, shards: list[str], settings: StreamerCo
     return report
 
 
+def _s3_cached(
+    rank: int, world: int, url: str, shards: list[str], settings: StreamerConfig
+) -> dict[str, Any]:
+    """A group load through one node cache (both ranks' shared copy filled from S3 and the cache
+    written), then the same again, from the cache alone."""
+    expected = _reference(shards)
+    report: dict[str, Any] = {}
+    for attempt in ("fill", "hit"):
+        got, _, metrics = _iterate(url, settings)
+        report[attempt] = {"differences": _differences(got, expected), "metrics": metrics}
+        dist.barrier()  # the second load starts once both ranks wrote what they fetched
+    return report
+
+
 def _failures(rank: int, world: int, directory: str, settings: StreamerConfig) -> dict[str, Any]:
     """Rank 1's read fails; then the group loads again (nothing left broken); then rank 1 dies mid-load."""
     import threading
@@ -348,6 +363,7 @@ def _shared_copy(rank: int, world: int, source: str, shards: list[str], director
 
 
 SCENARIOS = {
+    "s3_cached": _s3_cached,
     "shared_copy": _shared_copy,
     "loads": _loads,
     "s3": _s3,
@@ -496,6 +512,30 @@ def test_s3_group_reads_each_byte_once_with_the_requests_of_one_rank(
     group_requests = sum(r["metrics"]["requests"] for r in reports)
     # The ranged GETs of one rank alone, shared out (headers are read by every rank, outside runs).
     assert group_requests == alone["requests"], (group_requests, alone["requests"])
+
+
+def test_a_group_fills_one_node_cache_and_the_next_group_load_reads_only_from_it(
+    tmp_path: Path, written: Written, s3: Any, s3_server: str
+) -> None:
+    for path in [*written.shards, written.index]:
+        assert path is not None
+        s3.upload_file(str(path), BUCKET, f"cached/{path.name}")
+    settings = StreamerConfig(
+        block_size=64 * KiB,
+        s3=loopback_s3_config(s3_server, (ACCESS_KEY, SECRET_KEY, "token"), session_token=None),
+        cache=CacheConfig(dir=str(tmp_path / "cache"), chunk_bytes=64 * KiB),
+        group_shm_dir=str(tmp_path),
+    )
+    url = f"s3://{BUCKET}/cached/model.safetensors.index.json"
+    reports = _spawn(tmp_path, 2, "s3_cached", url, [str(s) for s in written.shards], settings)
+    for rank, report in enumerate(reports):
+        for attempt in ("fill", "hit"):
+            assert report[attempt]["differences"] == [], f"rank {rank}, {attempt}"
+            assert report[attempt]["metrics"]["group"]["transport"] == "shared copy"
+        fill, hit = report["fill"]["metrics"], report["hit"]["metrics"]
+        assert fill["cache_write_bytes"] > 0 and fill["cache_errors"] == 0
+        assert hit["requests"] == 0 and hit["cache_hit_bytes"] == hit["bytes_read"] > 0, hit
+    assert sum(r["hit"]["metrics"]["bytes_read"] for r in reports) == written.nbytes
 
 
 def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeout(
