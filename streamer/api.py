@@ -209,7 +209,7 @@ class Streamer:
             self.config,
             functools.partial(_new_tensor, refs, self.device, self.config.hugepages),
             ordered=ordered,
-            new_tensors=True,
+            new_tensors=self.device.type == "cpu",
             keep_all=keep_all,
         )
         self._run, self._exchange = None, exchange

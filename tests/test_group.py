@@ -559,12 +559,18 @@ def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeo
     assert seconds < timeout + 5
 
 
-def test_bench_ranks_compares_a_group_with_independent_loads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("api", ["open", "load"])
+def test_bench_ranks_compares_a_group_with_independent_loads(tmp_path: Path, api: str) -> None:
     out = tmp_path / "ranks.json"
-    proc = bench("--synthetic", "8MiB", "--ranks", "2", "--repeat", "1", "--warm", "--json", str(out), "-q")
+    proc = bench(
+        "--synthetic", "8MiB", "--ranks", "2", "--repeat", "1", "--warm", "--streamer-api", api,
+        "--json", str(out), "-q",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["ranks"] == 2
+    assert doc["keep"] == (api == "load")
+    assert ("every rank keeps every tensor" in proc.stdout) == (api == "load")
     (section,) = doc["sections"]
     group, alone = section["medians"]["group"], section["medians"]["independent"]
     assert group["bytes_read_group"] < 1.1 * doc["tensor_bytes"] < alone["bytes_read_group"]

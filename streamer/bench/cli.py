@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("open", "load"),
         default="open",
         help="open (default): iterate streamer.open() into a dict, as load() does, and record its "
-        "metrics; load: time streamer.load() itself (no metrics)",
+        "metrics; load: time streamer.load() itself (no metrics). With --ranks: open streams (each "
+        "tensor dropped as it comes), load keeps every tensor on every rank, as load() does",
     )
     p.add_argument(
         "--clock",
@@ -570,7 +571,8 @@ def document(
 def _rank_bench(args: argparse.Namespace, checkpoint: Checkpoint, progress: Progress) -> int:
     from streamer.bench import ranks
 
-    doc = ranks.bench(checkpoint, args.ranks, args.repeat, args.states, progress)
+    keep = args.streamer_api == "load"
+    doc = ranks.bench(checkpoint, args.ranks, args.repeat, args.states, progress, keep=keep)
     print(ranks.render(doc))
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=2) + "\n")

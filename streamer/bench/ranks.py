@@ -31,7 +31,7 @@ from streamer.bench.units import format_bytes
 MODES = ("group", "independent")
 
 
-def _rank(rank: int, world: int, init: str, source: str, grouped: bool, out: str) -> None:
+def _rank(rank: int, world: int, init: str, source: str, grouped: bool, keep: bool, out: str) -> None:
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init}",
@@ -42,10 +42,12 @@ def _rank(rank: int, world: int, init: str, source: str, grouped: bool, out: str
     try:
         dist.barrier()
         started = time.time()
-        with streamer.open(source, group=dist.group.WORLD if grouped else None) as handle:
-            for _ in handle:
-                pass
+        # keep: what streamer.load() does (every tensor kept, so no memory limit), with metrics.
+        config = streamer.StreamerConfig(memory_limit="unlimited") if keep else None
+        with streamer.open(source, config=config, group=dist.group.WORLD if grouped else None) as handle:
+            kept = {name: tensor for name, tensor in handle if keep}
             metrics = handle.metrics
+        del kept
         ended = time.time()
         torch.save({"started": started, "ended": ended, "metrics": metrics}, Path(out) / f"{rank}.pt")
         dist.barrier()
@@ -53,11 +55,11 @@ def _rank(rank: int, world: int, init: str, source: str, grouped: bool, out: str
         dist.destroy_process_group()
 
 
-def _one_run(source: str, world: int, grouped: bool) -> dict[str, Any]:
+def _one_run(source: str, world: int, grouped: bool, keep: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="streamer-ranks-") as tmp:
         spawn = mp.get_context("spawn")
         processes = [
-            spawn.Process(target=_rank, args=(r, world, f"{tmp}/init", source, grouped, tmp))
+            spawn.Process(target=_rank, args=(r, world, f"{tmp}/init", source, grouped, keep, tmp))
             for r in range(world)
         ]
         for process in processes:
@@ -80,11 +82,12 @@ def _one_run(source: str, world: int, grouped: bool) -> dict[str, Any]:
 
 
 def bench(
-    checkpoint: Checkpoint, world: int, repeat: int, states: list[str], progress: Any
+    checkpoint: Checkpoint, world: int, repeat: int, states: list[str], progress: Any, *, keep: bool = False
 ) -> dict[str, Any]:
     """Every state's interleaved runs of both modes, their medians, and the paired per-round ratio of
     the independent loads' wall time over the group's (above 1: the group is faster) with its
-    bootstrap interval and verdict (``stats.compare``)."""
+    bootstrap interval and verdict (``stats.compare``). ``keep``: every rank keeps every tensor, as
+    ``streamer.load()`` does; else each is dropped as it streams in."""
     sections = []
     for state in states:
         runs: list[dict[str, Any]] = []
@@ -95,7 +98,7 @@ def bench(
                 elif state == "warm":
                     cache.make_warm(checkpoint.files)
                 progress(f"{state} round {round_ + 1}/{repeat}: {world} ranks, {mode}")
-                runs.append({"round": round_, **_one_run(checkpoint.source, world, mode == "group")})
+                runs.append({"round": round_, **_one_run(checkpoint.source, world, mode == "group", keep)})
         medians = {
             mode: {
                 key: statistics.median(r[key] for r in runs if r["mode"] == mode)
@@ -108,11 +111,12 @@ def bench(
         sections.append(
             {"state": state, "runs": runs, "medians": medians, "paired": dataclasses.asdict(paired)}
         )
-    return {"ranks": world, "tensor_bytes": checkpoint.tensor_bytes, "sections": sections}
+    return {"ranks": world, "keep": keep, "tensor_bytes": checkpoint.tensor_bytes, "sections": sections}
 
 
 def render(doc: dict[str, Any]) -> str:
-    lines = [f"{doc['ranks']} ranks, checkpoint {format_bytes(doc['tensor_bytes'])} (medians)"]
+    kept = "every rank keeps every tensor" if doc["keep"] else "tensors dropped as they stream in"
+    lines = [f"{doc['ranks']} ranks, checkpoint {format_bytes(doc['tensor_bytes'])}, {kept} (medians)"]
     lines.append(
         f"{'state':8} {'mode':12} {'wall s':>8} {'read/group':>12} {'x ckpt':>7} {'S3 req':>7} {'exch s':>7}"
     )

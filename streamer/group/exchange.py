@@ -82,8 +82,8 @@ class GroupExchange:
         new_tensors: bool = False,
         keep_all: bool = False,
     ) -> None:
-        """``new_tensors``: ``destination`` makes fresh tensors, which views of the host's shared
-        copy may replace; ``keep_all``: the caller keeps every tensor (``load``), so the shared
+        """``new_tensors``: ``destination`` makes fresh CPU tensors, which views of the host's
+        shared copy may replace; ``keep_all``: the caller keeps every tensor (``load``), so the shared
         copy may hold them all whatever the memory limit."""
         self._checkpoint = checkpoint
         self._storage = storage
