@@ -491,18 +491,24 @@ def s3(s3_server: str) -> Any:
     return client
 
 
+def _uploaded(s3: Any, written: Written, prefix: str) -> str:
+    """The checkpoint's shards and index under ``prefix``; the index's URL."""
+    for path in [*written.shards, written.index]:
+        assert path is not None
+        s3.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+    return f"s3://{BUCKET}/{prefix}/model.safetensors.index.json"
+
+
+def _s3_settings(s3_server: str, **overrides: Any) -> StreamerConfig:
+    s3 = loopback_s3_config(s3_server, (ACCESS_KEY, SECRET_KEY, "token"), session_token=None)
+    return StreamerConfig(block_size=64 * KiB, s3=s3, **overrides)
+
+
 def test_s3_group_reads_each_byte_once_with_the_requests_of_one_rank(
     tmp_path: Path, written: Written, s3: Any, s3_server: str
 ) -> None:
-    for path in [*written.shards, written.index]:
-        assert path is not None
-        s3.upload_file(str(path), BUCKET, f"model/{path.name}")
-    settings = StreamerConfig(
-        block_size=64 * KiB,
-        s3=loopback_s3_config(s3_server, (ACCESS_KEY, SECRET_KEY, "token"), session_token=None),
-    )
-    url = f"s3://{BUCKET}/model/model.safetensors.index.json"
-    reports = _spawn(tmp_path, 2, "s3", url, [str(s) for s in written.shards], settings)
+    url = _uploaded(s3, written, "model")
+    reports = _spawn(tmp_path, 2, "s3", url, [str(s) for s in written.shards], _s3_settings(s3_server))
     alone = reports[0]["alone"]
     assert reports[0]["alone_differences"] == []
     for report in reports:
@@ -517,16 +523,12 @@ def test_s3_group_reads_each_byte_once_with_the_requests_of_one_rank(
 def test_a_group_fills_one_node_cache_and_the_next_group_load_reads_only_from_it(
     tmp_path: Path, written: Written, s3: Any, s3_server: str
 ) -> None:
-    for path in [*written.shards, written.index]:
-        assert path is not None
-        s3.upload_file(str(path), BUCKET, f"cached/{path.name}")
-    settings = StreamerConfig(
-        block_size=64 * KiB,
-        s3=loopback_s3_config(s3_server, (ACCESS_KEY, SECRET_KEY, "token"), session_token=None),
+    url = _uploaded(s3, written, "cached")
+    settings = _s3_settings(
+        s3_server,
         cache=CacheConfig(dir=str(tmp_path / "cache"), chunk_bytes=64 * KiB),
         group_shm_dir=str(tmp_path),
     )
-    url = f"s3://{BUCKET}/cached/model.safetensors.index.json"
     reports = _spawn(tmp_path, 2, "s3_cached", url, [str(s) for s in written.shards], settings)
     for rank, report in enumerate(reports):
         for attempt in ("fill", "hit"):
