@@ -48,7 +48,6 @@ from streamer.memory import streaming_budget
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run, SinkFor
 from streamer.run.region import RegionSink
-from streamer.selection import run_then_close
 
 _TRANSPORTS: dict[type, str] = {
     SharedRegion: "shared copy",
@@ -126,13 +125,13 @@ class GroupExchange:
         }
 
     def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
-        return run_then_close(self._exchange(), self.close)
+        return self._exchange()  # closes at the end, on error, or when abandoned
 
     def close(self) -> None:
         if self.run is not None:
             self.run.close()
 
-    def _exchange(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _exchange(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         wants = self._gather_wants()
         union = union_bytes(wants)
         shared_likely = self._wire.type == "cpu" and self._config.group_shm_dir is not None
@@ -154,6 +153,7 @@ class GroupExchange:
         """Reads this rank's share and moves the plan's pieces, a round at a time."""
         region = link if isinstance(link, SharedRegion) else None
         outboxes = link if isinstance(link, SharedOutboxes) else None
+        views = region is not None and self._new_tensors  # tensors are views of the region
         self.run = self._share_run(plan, region, piece_bytes)
         own = self.run.results()
         left = [0] * len(self._refs)
@@ -185,7 +185,9 @@ class GroupExchange:
                     continue  # read for others only, or neither read nor wanted here
                 if piece.reader != self._rank:
                     self.received_bytes += piece.nbytes
-                if region is not None:
+                if views:
+                    buffer = None  # nothing to move: the bytes are in place
+                elif region is not None:
                     buffer = region.view(piece.file, piece.begin, piece.end) if buffer is None else buffer
                 elif outboxes is not None:
                     buffer = outboxes.piece(index, round_number) if buffer is None else buffer
@@ -198,7 +200,7 @@ class GroupExchange:
                     left[part.position] -= 1
                     if left[part.position] == 0:
                         whole.append(part.position)
-                    if region is not None and self._new_tensors:
+                    if buffer is None:
                         continue  # handed out as a view of the region once whole
                     if part.position not in tensors:
                         tensors[part.position] = self._destination(part.position)
@@ -207,7 +209,8 @@ class GroupExchange:
                         buffer[part.piece_offset : part.piece_offset + part.nbytes]
                     )
                 del buffer  # a view of shared memory must not outlive the mapping
-            if region is not None and self._new_tensors:
+            if views:
+                assert region is not None
                 for position in whole:
                     tensors.setdefault(position, self._region_tensor(region, position))
             yield from self._deliver(whole, tensors)

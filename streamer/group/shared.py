@@ -1,19 +1,18 @@
 """Pieces between the ranks of one host through shared memory, instead of gloo's loopback TCP.
 
-Through gloo a piece costs each receiver a socket round trip and two kernel copies (~0.55 s per
-GiB measured on our 2-core VMs); here its reader copies it once into its outbox, a tmpfs file
-every rank of the group maps, and each rank that wants bytes of it copies them from there
-straight into its tensors. The exchange's per-round status ``all_reduce`` is the only
-synchronisation: a reader fills one half of its outbox while the others still copy from the
-other half, and it cannot come back to a half before every rank has finished with it (every rank
-must first enter the next round's ``all_reduce``).
+Two ways, both tmpfs files every rank of the group maps:
 
-Setting up is collective and never fails a load: each rank creates its outbox with its pages
-reserved (``posix_fallocate``, so a full tmpfs shows here, not as a SIGBUS mid-copy), the ranks
-swap names, map each other's, agree that every rank mapped every outbox, and each then unlinks
-its own file, so nothing stays on disk whatever later happens to the processes. If any rank
-cannot (ranks on other hosts or in other containers, no tmpfs, too little room), every rank
-gets ``None`` and the exchange uses the group's collectives.
+- ``SharedRegion``: one copy of every wanted byte, which each rank reads its share straight into
+  and hands out copy-on-write views of: no byte is copied between ranks;
+- ``SharedOutboxes``: under a memory limit smaller than that copy, each reader copies a piece
+  into one half of its outbox and the ranks that want it copy it out. The exchange's per-round
+  status ``all_reduce`` orders the halves: a reader cannot come back to a half before every rank
+  has entered the next round's ``all_reduce``, i.e. finished copying from it.
+
+Setting up is collective and never fails a load: the ranks swap file names, map them, agree that
+every rank mapped every file, and then unlink them, so nothing stays on disk whatever later
+happens to the processes. If any rank cannot (ranks on other hosts or in other containers, no
+tmpfs, too little room), every rank gets ``None`` and falls back together.
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ import torch
 from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.engine import native
 from streamer.group.plan import GroupPlan, Span
+from streamer.planner import align_down, align_up
 
 AllGather = Callable[[torch.Tensor, str], list[torch.Tensor]]
 """The exchange's bounded ``all_gather`` of a small CPU tensor (``doing`` names it in errors)."""
 
-_ALIGN = 4096  # pieces start on page boundaries in an outbox
 _PREFIX = "streamer-group"
 _MADV_POPULATE_READ = 22
 
@@ -52,7 +51,7 @@ def outbox_layout(plan: GroupPlan) -> tuple[dict[int, int], list[int]]:
             piece = plan.pieces[index]
             if any(rank != piece.reader for rank in piece.wanted_by):
                 offsets[index] = used[piece.reader]
-                used[piece.reader] += -(-piece.nbytes // _ALIGN) * _ALIGN
+                used[piece.reader] += align_up(piece.nbytes, DIRECT_IO_ALIGNMENT)  # pages apart
         halves = [max(half, mine) for half, mine in zip(halves, used, strict=True)]
     return offsets, halves
 
@@ -73,9 +72,9 @@ class SharedOutboxes:
     ) -> SharedOutboxes | None:
         """Maps every rank's outbox on every rank, or ``None`` on every rank if any cannot."""
         _, halves = outbox_layout(plan)
-        sizes = [max(_ALIGN, 2 * half) for half in halves]
+        sizes = [max(DIRECT_IO_ALIGNMENT, 2 * half) for half in halves]
         token = secrets.randbits(62)
-        own = Path(directory) / _outbox_name(os.getpid(), token)
+        own = Path(directory) / _file_name(os.getpid(), token)
         created = _create(own, sizes[rank], [(0, sizes[rank])])
         doing = "setting up the shared-memory exchange"
         maps: list[mmap.mmap] = []
@@ -140,8 +139,8 @@ def region_layout(ranges: Sequence[Span]) -> RegionLayout:
     starts: dict[int, int] = {}
     ends: dict[int, int] = {}
     for file, begin, end in ranges:
-        starts.setdefault(file, _align_down(begin))
-        ends[file] = _align_up(end)
+        starts.setdefault(file, align_down(begin, DIRECT_IO_ALIGNMENT))
+        ends[file] = align_up(end, DIRECT_IO_ALIGNMENT)
     bases: dict[int, int] = {}
     size = 0
     for file in starts:
@@ -177,7 +176,7 @@ class SharedRegion:
         """Rank 0 creates the file; every rank maps it, or ``None`` on every rank if one cannot.
         Each rank reserves the pages of its share as it reads (``reserve``)."""
         token = secrets.randbits(62)
-        path = Path(directory) / _outbox_name(os.getpid(), token)
+        path = Path(directory) / _file_name(os.getpid(), token)
         created = rank == 0 and _create(path, layout.size, ())
         doing = "setting up the shared-memory exchange"
         region: SharedRegion | None = None
@@ -185,16 +184,20 @@ class SharedRegion:
             names = all_gather(torch.tensor([int(created), os.getpid(), token], dtype=torch.int64), doing)
             made, pid, token_0 = names[0].tolist()
             if made:
-                region = _map_region(Path(directory) / _outbox_name(pid, token_0), layout, directory)
+                region = _map_region(Path(directory) / _file_name(pid, token_0), layout, directory)
             agreed = all_gather(torch.tensor([region is not None], dtype=torch.int64), doing)
             if all(int(a[0]) for a in agreed):
                 return region
+        except BaseException:
             if region is not None:
                 region.close()
-            return None
+            raise
         finally:
             if created:
                 path.unlink()
+        if region is not None:
+            region.close()
+        return None
 
     def reserve(self, file: int, begin: int, end: int) -> None:
         """Allocates the pages file bytes ``[begin, end)`` are read into and maps them in, so a
@@ -206,6 +209,11 @@ class SharedRegion:
     def shared_address(self, file: int, position: int) -> int:
         """Where this rank reads file bytes at ``position`` to."""
         return self._shared_bytes.data_ptr() + self.layout.offset(file, position)
+
+    def shared_view(self, file: int, begin: int, end: int) -> torch.Tensor:
+        """File bytes ``[begin, end)`` where this rank read them (its share's pages are mapped)."""
+        start = self.layout.offset(file, begin)
+        return self._shared_bytes[start : start + end - begin]
 
     def view(self, file: int, begin: int, end: int) -> torch.Tensor:
         """File bytes ``[begin, end)`` in this rank's private mapping, faulted in at once."""
@@ -219,7 +227,7 @@ class SharedRegion:
         if shared is not None:
             os.close(self._fd)
             del self._shared_bytes
-            with contextlib.suppress(BufferError):
+            with contextlib.suppress(BufferError):  # a view still referenced: it goes with it
                 shared.close()
 
 
@@ -248,7 +256,7 @@ def _populate(mapped: mmap.mmap, start: int, length: int) -> None:
         mapped.madvise(_MADV_POPULATE_READ, first, start + length - first)
 
 
-def _outbox_name(pid: int, token: int) -> str:
+def _file_name(pid: int, token: int) -> str:
     return f"{_PREFIX}-{pid}-{token:016x}"
 
 
@@ -276,7 +284,7 @@ def _open_all(directory: str, names: list[torch.Tensor], sizes: list[int]) -> li
     maps: list[mmap.mmap] = []
     for (_, pid, token), size in zip((n.tolist() for n in names), sizes, strict=True):
         try:
-            fd = os.open(Path(directory) / _outbox_name(pid, token), os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(Path(directory) / _file_name(pid, token), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
             _close_all(maps)
             return maps
@@ -299,11 +307,3 @@ def _close_all(maps: list[mmap.mmap]) -> None:
         with contextlib.suppress(BufferError):
             mapped.close()
     maps.clear()
-
-
-def _align_down(value: int) -> int:
-    return value - value % DIRECT_IO_ALIGNMENT
-
-
-def _align_up(value: int) -> int:
-    return _align_down(value + DIRECT_IO_ALIGNMENT - 1)

@@ -115,7 +115,7 @@ class RegionSink:
         if ref.entry.nbytes == 0:
             return empty_tensor(ref.entry)
         assert self._region is not None, "a closed sink hands out no tensor"
-        return self._region.view(ref.file, ref.entry.begin, ref.entry.end)
+        return self._region.shared_view(ref.file, ref.entry.begin, ref.entry.end)
 
     @property
     def peak_bytes(self) -> int:
