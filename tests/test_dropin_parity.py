@@ -7,9 +7,11 @@ safetensors cannot make), the test states the difference; the README's table lis
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -368,6 +370,36 @@ def test_an_eighth_of_the_rows_reads_an_eighth_of_the_bytes(
             # One read of the eighth, rounded out to 4 KiB at each end at most.
             assert weight.nbytes // 8 <= metrics["bytes_read"] <= weight.nbytes // 8 + 8 * KiB
             assert metrics["blocks"] <= -(-weight.nbytes // 8 // block_size) + 1
+
+
+def test_an_eighth_of_the_rows_of_a_1_gib_tensor_reads_an_eighth_of_it(tmp_path: Path) -> None:
+    """The size a tensor-parallel rank meets: a 1 GiB BF16 weight in a sparse file (only a stripe
+    of random bytes at each eighth's start and end is written, so the file costs no disk), each
+    rank's eighth of the rows compared with safetensors' ``get_slice`` and read as one eighth."""
+    rows, cols = 16 * KiB, 32 * KiB
+    size = rows * cols * 2
+    header = json.dumps({"weight": {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, size]}})
+    header += " " * (-len(header) % 8)
+    path = tmp_path / "sparse-1GiB.safetensors"
+    g = torch.Generator().manual_seed(29)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        data_start = f.tell()
+        f.truncate(data_start + size)
+        for eighth in range(8):
+            for at in (eighth * size // 8, (eighth + 1) * size // 8 - 64 * KiB):
+                f.seek(data_start + at)
+                f.write(raw_bytes(random_tensor((32 * KiB,), torch.bfloat16, g)))
+    share = rows // 8
+    with (
+        streamer.safe_open(path, config=config(block_size=8 * MiB)) as handle,
+        safetensors.safe_open(str(path), framework="pt") as reference,
+    ):
+        for rank in (0, 5, 7):
+            got = handle.get_slice("weight")[rank * share : (rank + 1) * share]
+            assert_same(got, reference.get_slice("weight")[rank * share : (rank + 1) * share])
+            assert size // 8 <= handle.handle.metrics["bytes_read"] <= size // 8 + 8 * KiB
+            del got
 
 
 def test_a_column_slice_reads_no_more_than_its_covering_rows(large: tuple[Path, torch.Tensor]) -> None:
