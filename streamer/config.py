@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from streamer.errors import ConfigError
@@ -44,6 +45,10 @@ def _env_int(name: str, default: int) -> int:
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
+BALLOON_DEVICES = "/sys/bus/virtio/drivers/virtio_balloon"
+_BALLOON_F_REPORTING = 5  # VIRTIO_BALLOON_F_REPORTING, a bit of the device's negotiated features
+
+
 def _transparent_hugepages() -> bool:
     """Whether the kernel gives huge pages to memory that asks (THP ``always`` or ``madvise``)."""
     try:
@@ -51,6 +56,27 @@ def _transparent_hugepages() -> bool:
             return "[never]" not in setting.read()
     except OSError:
         return False  # no THP (another OS, or a kernel without it)
+
+
+def free_page_reporting() -> bool:
+    """Whether this is a VM whose balloon hands free memory back to the host (free page reporting).
+
+    Such a kernel reports each free block of 2 MiB or more to the host, which discards it; the
+    next process to use that memory has the host fault every 4 KiB of it back in. Huge pages are
+    always carved from those blocks; 4 KiB pages come first from smaller free blocks, which are
+    never reported. ``features`` is the negotiated feature bits, one character per bit.
+    """
+    try:
+        devices = list(Path(BALLOON_DEVICES).glob("virtio*"))
+        features = [(device / "features").read_text().strip() for device in devices]
+    except OSError:
+        return False
+    return any(len(bits) > _BALLOON_F_REPORTING and bits[_BALLOON_F_REPORTING] == "1" for bits in features)
+
+
+def _hugepages_by_default() -> bool:
+    """Huge pages where the kernel has them, except on VMs with free page reporting (see there)."""
+    return _transparent_hugepages() and not free_page_reporting()
 
 
 def _env_io_mode() -> IoMode:
@@ -267,11 +293,11 @@ class StreamerConfig:
         tensor, so it ignores the limit on the CPU.
     io_mode: ``auto`` reads a file buffered when the page cache holds most of the bytes this
         read needs of it, else with O_DIRECT; ``buffered`` or ``direct`` force one strategy.
-    hugepages: back CPU destination buffers of 4 MiB or more with transparent huge pages. On
-        wherever the kernel has THP (``enabled`` not ``never``): ~600 page faults per GiB instead
-        of ~262,000, and cold 1 GiB loads 1.47x faster, paired over 8 interleaved rounds on our
-        2-core VMs (``streamer-bench --cold --baseline``; warm: not separable).
-        ``STREAMER_HUGEPAGES=0`` turns it off.
+    hugepages: back CPU destination buffers of 4 MiB or more with transparent huge pages
+        (``STREAMER_HUGEPAGES``, 1 or 0). On by default wherever the kernel has THP (``enabled``
+        not ``never``): ~600 page faults per GiB instead of ~262,000. Off by default on VMs with
+        free page reporting (``free_page_reporting``), where every fresh huge page is memory the
+        host took back: there 4 KiB pages loaded 1 GiB 2-4x faster, cold and warm (README).
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.
@@ -293,7 +319,7 @@ class StreamerConfig:
     memory_limit: MemoryLimit = field(default_factory=_env_memory_limit)
     io_mode: IoMode = field(default_factory=_env_io_mode)
     hugepages: bool = field(
-        default_factory=lambda: _env_int("STREAMER_HUGEPAGES", int(_transparent_hugepages())) != 0
+        default_factory=lambda: _env_int("STREAMER_HUGEPAGES", int(_hugepages_by_default())) != 0
     )
     s3: S3Config = field(default_factory=S3Config)
     group_timeout: float = field(default_factory=lambda: _env_float("STREAMER_GROUP_TIMEOUT", 30.0))

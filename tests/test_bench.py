@@ -12,6 +12,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from conftest import BENCH_ENV, bench, bench_report
 from streamer.bench import cache, ceilings, cli, report, runner, synthetic
 from streamer.bench.checkpoint import resolve
 from streamer.bench.loaders import Setting
+from streamer.config import free_page_reporting
 
 MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -184,11 +186,51 @@ def test_rounds_after_the_first_are_shuffled_so_neighbours_change(
     assert rounds == [[c.setting.knobs[0][1] for c in runner.round_order(configs, i)] for i in range(4)]
 
 
+def test_each_run_starts_settle_seconds_after_its_files_were_prepared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a VM with free page reporting, a run right after another would find that run's freed
+    memory still backed by the host, and the next a moment later would not: each waits instead."""
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    config = runner.Config(Setting("streamer"), [str(f) for f in made.files], str(made.index))
+    prepared: list[float] = []
+    started: list[float] = []
+
+    def prepare(config: runner.Config, state: str) -> tuple[int, None]:
+        prepared.append(time.monotonic())
+        return 0, None
+
+    def child(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        started.append(time.monotonic())
+        return {"ok": False, "error": "not run"}
+
+    monkeypatch.setattr(runner, "_prepare", prepare)
+    monkeypatch.setattr(runner, "call_child", child)
+    runner.run_section(
+        [config],
+        "warm",
+        3,
+        device="cpu",
+        streamer_api="open",
+        timeout=60,
+        progress=lambda _: None,
+        settle=0.2,
+    )
+    assert len(started) == 3 and all(s - p >= 0.2 for p, s in zip(prepared, started, strict=True))
+
+
+def test_settle_defaults_to_the_vm_s_free_page_reporting(run: dict[str, Any]) -> None:
+    expected = cli.DEFAULT_SETTLE if free_page_reporting() else 0.0
+    assert run["json"]["options"]["settle_seconds"] == expected
+
+
 @pytest.mark.parametrize(
     "args",
     [
         ["--repeat", "0"],
         ["--repeat", "many"],
+        ["--settle", "-1"],
+        ["--settle", "soon"],
         ["--synthetic", "lots"],
         ["--loaders", "streamer,nosuchloader"],
         ["--device", "tpu"],

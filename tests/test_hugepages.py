@@ -1,4 +1,5 @@
-"""Huge pages by default where the kernel has them, for large buffers only.
+"""Huge pages by default where the kernel has them (but not on VMs with free page reporting), for
+large buffers only.
 
 What the kernel does with the advice is checked in ``/proc/self/smaps`` (``THPeligible``), which
 says whether a mapping may get huge pages; whether it does at a given moment depends on free
@@ -33,6 +34,7 @@ def test_default_follows_the_kernel(
     enabled = tmp_path / "enabled"
     enabled.write_text(setting)
     monkeypatch.setattr(config_module, "THP_SETTING", str(enabled))
+    monkeypatch.setattr(config_module, "BALLOON_DEVICES", str(tmp_path / "no-balloon"))
     monkeypatch.delenv("STREAMER_HUGEPAGES", raising=False)
     assert StreamerConfig().hugepages is expected
     monkeypatch.setenv("STREAMER_HUGEPAGES", "0")
@@ -45,6 +47,54 @@ def test_no_thp_means_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(config_module, "THP_SETTING", str(tmp_path / "missing"))
     monkeypatch.delenv("STREAMER_HUGEPAGES", raising=False)
     assert StreamerConfig().hugepages is False
+
+
+def _balloon(root: Path, *features: str) -> Path:
+    """A stand-in for ``/sys/bus/virtio/drivers/virtio_balloon``: one device per feature string."""
+    for number, bits in enumerate(features):
+        device = root / f"virtio{number}"
+        device.mkdir(parents=True)
+        (device / "features").write_text(bits + "\n")
+    return root
+
+
+REPORTING = "0110010" + "0" * 121  # STATS_VQ, DEFLATE_ON_OOM and REPORTING (bit 5): Firecracker's
+HINTING_ONLY = "0111000" + "0" * 121  # FREE_PAGE_HINT (bit 3) only: pages stay with the guest
+
+
+@pytest.mark.parametrize(
+    ("features", "reporting"),
+    [
+        ((REPORTING,), True),
+        ((HINTING_ONLY,), False),
+        ((HINTING_ONLY, REPORTING), True),
+        ((), False),
+        (("01",), False),
+    ],
+)
+def test_free_page_reporting_is_read_from_the_balloon_features(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, features: tuple[str, ...], reporting: bool
+) -> None:
+    monkeypatch.setattr(config_module, "BALLOON_DEVICES", str(_balloon(tmp_path / "balloon", *features)))
+    assert config_module.free_page_reporting() is reporting
+
+
+def test_no_balloon_driver_means_no_reporting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config_module, "BALLOON_DEVICES", str(tmp_path / "missing"))
+    assert config_module.free_page_reporting() is False
+
+
+def test_free_page_reporting_turns_the_default_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fresh huge page on such a VM is memory the host took back (faulted in again 4 KiB at a
+    time); 4 KiB pages come first from free blocks too small to be reported."""
+    enabled = tmp_path / "enabled"
+    enabled.write_text("always [madvise] never\n")
+    monkeypatch.setattr(config_module, "THP_SETTING", str(enabled))
+    monkeypatch.setattr(config_module, "BALLOON_DEVICES", str(_balloon(tmp_path / "balloon", REPORTING)))
+    monkeypatch.delenv("STREAMER_HUGEPAGES", raising=False)
+    assert StreamerConfig().hugepages is False
+    monkeypatch.setenv("STREAMER_HUGEPAGES", "1")
+    assert StreamerConfig().hugepages is True
 
 
 def _thp_mode() -> str:

@@ -42,11 +42,15 @@ from streamer.bench.loaders import (
 )
 from streamer.bench.machine import facts, s3_endpoint
 from streamer.bench.units import format_bytes, parse_size, positive_int
+from streamer.config import free_page_reporting
 
 DEFAULT_SYNTHETIC = "1GiB"
 # Paired per-round ratios on these VMs spread ~15% around their median: 10 rounds bound the
 # median's 95% interval to about ±10%, enough to call a 15-20% lead (see streamer/bench/stats.py).
 DEFAULT_REPEAT = 10
+# Free page reporting hands a free 2 MiB block back to the host 2 s after it is freed
+# (the kernel's PAGE_REPORTING_DELAY); a second more covers the report itself.
+DEFAULT_SETTLE = 3.0
 DISTRIBUTIONS = {
     "streamer": ["streamer-weights"],
     "safetensors": ["safetensors"],
@@ -67,6 +71,16 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 to 3600")
+    return value
 
 
 def _choices(allowed: Sequence[str], what: str) -> Any:
@@ -172,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_REPEAT,
         help=f"rounds: runs per setting, interleaved (default {DEFAULT_REPEAT}); verdicts against peers "
         f"come from per-round ratios and need at least {stats.MIN_ROUNDS} rounds",
+    )
+    p.add_argument(
+        "--settle",
+        type=_seconds,
+        default=DEFAULT_SETTLE if free_page_reporting() else 0.0,
+        metavar="S",
+        help=f"seconds between a run and the next (default {DEFAULT_SETTLE:g} on a VM with free page "
+        "reporting, so every run meets memory the host took back, as a server starting on an idle "
+        "node does; else 0)",
     )
     p.add_argument(
         "--ceiling-repeat",
@@ -496,6 +519,7 @@ def run_sections(
             timeout=args.timeout,
             progress=progress,
             clock=args.clock,
+            settle=args.settle,
         )
         if args.ceilings and state == "remote":
             found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])
@@ -554,6 +578,7 @@ def document(
             "repeat": args.repeat,
             "ceiling_repeat": args.ceiling_repeat,
             "clock": args.clock,
+            "settle_seconds": args.settle,
             "cold": args.cold,
             "warm": args.warm,
             "sweep": dict([args.sweep]) if args.sweep else {},

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,12 +147,15 @@ def run_section(
     timeout: float,
     progress: Callable[[str], None],
     clock: str = "load",
+    settle: float = 0.0,
 ) -> None:
     """``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
     the given order, each later one shuffled (seeded, so reproducible). A run pays for the memory
-    the run before it freed (on VMs that hand free pages back to the host, by up to 3x), so no
-    setting may always follow the same neighbour. ``clock`` (load or process) says which of the
-    child's two times is the run's ``seconds``; both are kept."""
+    the run before it freed (on VMs that hand free pages back to the host, by up to 4x), so no
+    setting may always follow the same neighbour, and each run starts ``settle`` seconds after the
+    files reached ``state``: long enough for such a VM to have handed back what the last run freed,
+    so every run meets memory as a server starting on an idle node does. ``clock`` (load or
+    process) says which of the child's two times is the run's ``seconds``; both are kept."""
     total = repeat * len(configs)
     n = 0
     for r in range(repeat):
@@ -163,6 +167,7 @@ def run_section(
                 config.runs.append(Run(r, False, resident_before_bytes=resident, error=problem))
                 progress(f"[{state} {n}/{total}] {label}: refused, {problem}")
                 continue
+            time.sleep(settle)
             request = {
                 "action": "load",
                 "loader": config.setting.child_loader,
