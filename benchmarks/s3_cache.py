@@ -6,7 +6,8 @@ the same checkpoint as plain local files, and against Run:ai's S3 loader, paired
 
 ``DIR`` holds the checkpoint's files, ``--source`` the same files in a bucket (``s3_load.py
 --keep DIR`` generates and uploads both; point ``AWS_ENDPOINT_URL`` at the shaped endpoint).
-Every round runs, in a rotating order and each in a fresh process (``streamer.bench.child``):
+Every round runs, in a rotating order and each in a fresh process (``streamer.bench.child``)
+started ``--settle`` seconds after the last (``streamer-bench --settle``):
 
   - "local cold":  streamer from ``DIR``, its page cache evicted;
   - "hit cold":    streamer from S3 through a full cache, the cache's files evicted (the
@@ -27,10 +28,13 @@ import argparse
 import json
 import shutil
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 from streamer.bench import runner, stats
+from streamer.bench.cli import DEFAULT_SETTLE
+from streamer.config import free_page_reporting
 
 SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")
 RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
@@ -78,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", required=True, help="the same files in S3: s3://bucket/prefix/")
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/streamer-cache-bench"))
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=DEFAULT_SETTLE if free_page_reporting() else 0.0,
+        help="seconds before each run, as streamer-bench --settle (3 on a VM with free page reporting)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     local_files = sorted(str(p) for p in args.local.glob("*.safetensors"))
@@ -117,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 req = request("streamer", args.source, [], None)
             else:
                 req = request("runai", args.source, remote_files, None)
+            time.sleep(args.settle)
             result = run_child(req, cache_dir)
             seconds[setting][round_number] = result["seconds"]
             metrics = result.get("metrics") or {}
