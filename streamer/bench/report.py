@@ -211,10 +211,12 @@ def render(document: dict[str, Any]) -> str:
         if s3
         else document["machine"]["filesystem"]["type"]
     )
+    settle = opts.get("settle_seconds") or 0
+    settled = f", started {settle:g} s after its files were ready (this VM gives freed memory to its host)"
     out = [
         f"streamer-bench: {len(ck['files'])} file(s), {format_bytes(ck['tensor_bytes'])} of tensors "
         f"({ck['tensor_count']} tensors), device {opts['device']}, {opts['repeat']} run(s) per setting, "
-        f"interleaved; each run in a fresh process",
+        f"interleaved; each run in a fresh process{settled if settle else ''}",
         f"source: {ck['source']} ({where})",
     ]
     for sec in document["sections"]:
