@@ -13,6 +13,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from streamer.config import free_page_reporting
+
 
 def _cpu_model() -> str | None:
     try:
@@ -105,6 +107,7 @@ def facts(
         "cpu_model": _cpu_model(),
         "ram_bytes": _ram_bytes(),
         "kernel": platform.release(),
+        "free_page_reporting": free_page_reporting(),
         "os": platform.platform(),
         "filesystem": filesystem(source_path) if source_path else dict.fromkeys(("type", "device", "mount")),
         "s3": s3,
