@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from streamer.bench import runner, stats
-from streamer.bench.cli import DEFAULT_SETTLE
-from streamer.config import free_page_reporting
 
 SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")
 RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
@@ -85,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--settle",
         type=float,
-        default=DEFAULT_SETTLE if free_page_reporting() else 0.0,
+        default=runner.default_settle(),
         help="seconds before each run, as streamer-bench --settle (3 on a VM with free page reporting)",
     )
     parser.add_argument("--json", type=Path)

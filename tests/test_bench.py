@@ -220,7 +220,7 @@ def test_each_run_starts_settle_seconds_after_its_files_were_prepared(
 
 
 def test_settle_defaults_to_the_vm_s_free_page_reporting(run: dict[str, Any]) -> None:
-    expected = cli.DEFAULT_SETTLE if free_page_reporting() else 0.0
+    expected = runner.DEFAULT_SETTLE if free_page_reporting() else 0.0
     assert run["json"]["options"]["settle_seconds"] == expected
     assert run["json"]["machine"]["free_page_reporting"] is free_page_reporting()
     said = f"started {expected:g} s after its files were ready"

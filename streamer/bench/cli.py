@@ -42,15 +42,11 @@ from streamer.bench.loaders import (
 )
 from streamer.bench.machine import facts, s3_endpoint
 from streamer.bench.units import format_bytes, parse_size, positive_int
-from streamer.config import free_page_reporting
 
 DEFAULT_SYNTHETIC = "1GiB"
 # Paired per-round ratios on these VMs spread ~15% around their median: 10 rounds bound the
 # median's 95% interval to about ±10%, enough to call a 15-20% lead (see streamer/bench/stats.py).
 DEFAULT_REPEAT = 10
-# Free page reporting hands a free 2 MiB block back to the host 2 s after it is freed
-# (the kernel's PAGE_REPORTING_DELAY); a second more covers the report itself.
-DEFAULT_SETTLE = 3.0
 DISTRIBUTIONS = {
     "streamer": ["streamer-weights"],
     "safetensors": ["safetensors"],
@@ -190,9 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--settle",
         type=_seconds,
-        default=DEFAULT_SETTLE if free_page_reporting() else 0.0,
+        default=runner.default_settle(),
         metavar="S",
-        help=f"seconds between a run and the next (default {DEFAULT_SETTLE:g} on a VM with free page "
+        help=f"seconds between a run and the next (default {runner.DEFAULT_SETTLE:g} on a VM with free page "
         "reporting, so every run meets memory the host took back, as a server starting on an idle "
         "node does; else 0)",
     )

@@ -18,6 +18,7 @@ from streamer.bench import cache
 from streamer.bench.child import RESULT_MARK
 from streamer.bench.loaders import CONTROLLED_ENV, Setting
 from streamer.bench.units import format_bytes, gbps
+from streamer.config import free_page_reporting
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds ``streamer/``
 
@@ -104,6 +105,16 @@ class Config:
     @property
     def file_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.paths)
+
+
+# Free page reporting hands a free 2 MiB block back to the host 2 s after it is freed
+# (the kernel's PAGE_REPORTING_DELAY); a second more covers the report itself.
+DEFAULT_SETTLE = 3.0
+
+
+def default_settle() -> float:
+    """Seconds between runs: ``DEFAULT_SETTLE`` on a VM with free page reporting, else none."""
+    return DEFAULT_SETTLE if free_page_reporting() else 0.0
 
 
 def _prepare(config: Config, state: str) -> tuple[int | None, str | None]:
