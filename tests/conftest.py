@@ -335,14 +335,15 @@ def raw_entry(
 
 
 def file_layout(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
-    """(name, absolute begin, absolute end) of every tensor, in offset order (ties by name),
-    parsed here with ``json`` rather than by streamer."""
+    """(name, absolute begin, absolute end) of every tensor, in streamer's checkpoint order
+    (begin, then end, then name: an empty tensor comes before a tensor starting where it
+    does), parsed here with ``json`` rather than by streamer."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     header.pop("__metadata__", None)
     rows = [(name, 8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for name, v in header.items()]
-    return sorted(rows, key=lambda r: (r[1], r[0]))
+    return sorted(rows, key=lambda r: (r[1], r[2], r[0]))
 
 
 def checkpoint_order(shards: Sequence[str | os.PathLike[str]]) -> list[str]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from streamer.destinations import copy_engine
-from streamer.destinations.copy_engine import CopyTicket, ThreadCopyEngine
+from streamer.destinations.copy_engine import CopyTicket, ThreadCopyEngine, Unpin
 from streamer.engine import native
 
 
@@ -30,11 +30,22 @@ class StandInCopyEngine(ThreadCopyEngine):
 
     Each source range is checksummed when the copy is scheduled and again just before it runs:
     a slot refilled under an outstanding copy shows up as a mismatch. ``busy`` holds the source
-    ranges of copies not finished yet; ``fail_at`` makes that copy (0-based) raise.
+    ranges of copies not finished yet; ``fail_at`` makes that copy (0-based) raise. ``pinned``
+    makes it ask for a pinned ring, as the CUDA engine does, and log each pin and unpin to ``pins``.
     """
 
-    def __init__(self, *, workers: int = 3, max_delay: float = 0.003, fail_at: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        workers: int = 3,
+        max_delay: float = 0.003,
+        fail_at: int | None = None,
+        pinned: bool = False,
+        pins: list[tuple[str, int, int]] | None = None,
+    ) -> None:
         super().__init__(workers)
+        self.pinned = pinned
+        self.pins = pins if pins is not None else []
         self.max_delay = max_delay
         self.fail_at = fail_at
         self.lock = threading.Lock()
@@ -45,6 +56,11 @@ class StandInCopyEngine(ThreadCopyEngine):
         self.failing: set[tuple[int, int]] = set()
         self.closed = False
         self._random = random.Random(1234)
+
+    def pin(self, memory: torch.Tensor) -> Unpin:
+        address, size = memory.data_ptr(), memory.numel()
+        self.pins.append(("pin", address, size))
+        return lambda: self.pins.append(("unpin", address, size))
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> CopyTicket:
         key = (src.data_ptr(), src.numel())

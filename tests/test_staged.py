@@ -35,6 +35,7 @@ from copy_standin import StandIn
 import streamer
 from streamer import ConfigError, DeviceError, ReadError, SourceError, StreamerConfig
 from streamer.config import DIRECT_IO_ALIGNMENT
+from streamer.engine import native
 from streamer.planner import Span, group_spans, plan_pieces
 
 SMALL_RING = 64 * KiB  # 8 slots of 8 KiB: far smaller than the largest tensors below
@@ -104,6 +105,38 @@ def test_ring_larger_than_the_checkpoint_is_cut_to_size(standin: StandIn, every_
         metrics = s.metrics
     read_span = sum(os.path.getsize(p) for p in every_dtype.shards) + 2 * DIRECT_IO_ALIGNMENT
     assert metrics["peak_buffer_bytes"] <= read_span
+
+
+def test_a_pinned_ring_is_pinned_once_per_handle_and_unpinned_before_it_is_unmapped(
+    standin: StandIn, every_dtype: Written, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ring is memory streamer maps itself: page-aligned (O_DIRECT reads land in it), as large
+    as the limit allows rather than a power of two, pinned once however many loads reuse it,
+    and unpinned while still mapped."""
+    events: list[tuple[str, int, int]] = []
+    standin.options = {"pinned": True, "pins": events}
+    free = native.free
+
+    def logged_free(pointer: object, size: int, hugepages: bool) -> None:
+        events.append(("free", int(native.ffi.cast("uintptr_t", pointer)), size))
+        free(pointer, size, hugepages)
+
+    monkeypatch.setattr(native, "free", logged_free)
+    limit = 100 * KiB
+    with streamer.open(every_dtype.index, config=cfg(memory_limit=limit)) as s:
+        first = dict(iter(s))
+        second = dict(iter(s))
+    gc.collect()
+    expected = reference_load(every_dtype.shards)
+    assert_same_dict(first, expected)
+    assert_same_dict(second, expected)
+    pins = [event for event in events if event[0] == "pin"]
+    assert len(pins) == 1, pins
+    _, address, size = pins[0]
+    assert address % os.sysconf("SC_PAGE_SIZE") == 0
+    assert 64 * KiB < size <= limit
+    assert [kind for kind, at, _ in events if at == address] == ["pin", "unpin", "free"]
+    standin.assert_clean()
 
 
 def test_unaligned_tensors_are_copied_into_aligned_memory(standin: StandIn, tmp_path: Path) -> None:

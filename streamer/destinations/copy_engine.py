@@ -12,10 +12,16 @@ a CPU stand-in for ``cpu``, which sends CPU loads through the ring exactly as GP
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
+
+from streamer.errors import DeviceError
+
+Unpin = Callable[[], None]
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
 class CopyTicket(Protocol):
@@ -30,6 +36,10 @@ class CopyEngine(Protocol):
     """Schedules copies and orders the consumer after them."""
 
     pinned: bool  # whether the ring's host memory must be page-locked for this engine
+
+    def pin(self, memory: torch.Tensor) -> Unpin:
+        """Prepares ``memory`` (a ring) for this engine's copies; returns what undoes that, to be
+        called once no copy reads it and before the memory is freed."""
 
     def order_after_consumer(self) -> None:
         """Later copies start only after the work the consumer has queued so far (fresh or
@@ -71,6 +81,23 @@ class CudaCopyEngine:
         self._device = device
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
+    def pin(self, memory: torch.Tensor) -> Unpin:
+        """Registers memory the ring allocated itself, rather than taking torch's pinned
+        allocator's: that one may round a request up to a power of two (pinning up to twice the
+        memory limit) or hand out a block that is not page-aligned, as O_DIRECT reads need."""
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        address, size = memory.data_ptr(), memory.numel() * memory.element_size()
+        error = int(cudart.cudaHostRegister(address, size, _HOST_REGISTER_PORTABLE))
+        if error:
+            raise DeviceError(
+                f"could not page-lock the {size}-byte host ring for {self._device} (cudaError {error})"
+            )
+
+        def unpin() -> None:
+            cudart.cudaHostUnregister(address)  # fails only once CUDA is torn down at exit
+
+        return unpin
+
     def order_after_consumer(self) -> None:
         self._stream.wait_stream(torch.cuda.current_stream(self._device))
 
@@ -111,6 +138,10 @@ class ThreadCopyEngine:
     def __init__(self, workers: int = 1) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="streamer-copy")
 
+    def pin(self, memory: torch.Tensor) -> Unpin:
+        """Host copies read any memory."""
+        return _nothing
+
     def order_after_consumer(self) -> None:
         """CPU work the consumer queued has already happened."""
 
@@ -125,6 +156,10 @@ class ThreadCopyEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _nothing() -> None:
+    pass
 
 
 def staged_engine(device: torch.device) -> CopyEngine | None:

@@ -21,7 +21,7 @@ import torch
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.copy_engine import CopyEngine, CopyTicket
 from streamer.destinations.cpu import empty_tensor
-from streamer.destinations.ring import HostRing, RingCache, ring_bytes_for
+from streamer.destinations.ring import HostRing, RingCache, ring_shape
 from streamer.destinations.targets import Destination, DestinationFor, Layout
 from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
@@ -92,9 +92,8 @@ class StagedSink:
     def plan(self) -> list[native.Unit]:
         """Takes the ring and cuts the regions into its slot-sized pieces: piece ``i`` is unit ``i``."""
         assert self._copy_engine is not None and self._destination is not None
-        pinned = self._copy_engine.pinned
         self._ring, alloc_seconds = self._rings.acquire(
-            self._needed_ring_bytes(pinned), alignment=DIRECT_IO_ALIGNMENT, pinned=pinned
+            *self._ring_shape(), engine=self._copy_engine, hugepages=self._config.hugepages
         )
         self._ring_bytes = self._ring.nbytes
         self.metrics.add_ring_alloc(alloc_seconds)
@@ -208,7 +207,7 @@ class StagedSink:
             self._rings.give_back(ring)
         self._destination = None
 
-    def _needed_ring_bytes(self, pinned: bool) -> int:
+    def _ring_shape(self) -> tuple[int, int]:
         limit = self._config.explicit_memory_limit or DEFAULT_RING_BYTES  # auto/unlimited: the default ring
         if limit < DIRECT_IO_ALIGNMENT:
             raise ConfigError(
@@ -219,7 +218,7 @@ class StagedSink:
             align_up(r.end, DIRECT_IO_ALIGNMENT) - align_down(r.begin, DIRECT_IO_ALIGNMENT)
             for r in self._regions
         )
-        return ring_bytes_for(needed, limit, alignment=DIRECT_IO_ALIGNMENT, pinned=pinned)
+        return ring_shape(needed, limit, alignment=DIRECT_IO_ALIGNMENT)
 
     def _copy(self, piece: int, target: int, begin: int, end: int) -> CopyTicket:
         assert self._ring is not None and self._copy_engine is not None and self._destination is not None
