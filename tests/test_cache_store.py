@@ -77,6 +77,13 @@ def test_every_window_reads_back_exactly(
     assert store.errors == 0
 
 
+def buffer(size: int, aligned: bool) -> memoryview:
+    """Memory for a read: page-aligned (a whole chunk then goes through one O_DIRECT read) or not."""
+    if aligned:
+        return memoryview(mmap.mmap(-1, size))
+    return memoryview(bytearray(size + 1))[1:]
+
+
 def corruptions(length: int) -> list[tuple[str, int]]:
     """(what, byte of the file to flip)."""
     return [
@@ -93,8 +100,11 @@ def corruptions(length: int) -> list[tuple[str, int]]:
     ]
 
 
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
 @pytest.mark.parametrize("what,position", corruptions(CHUNK - 5))
-def test_a_flipped_bit_fails_every_read_that_touches_it(tmp_path: Path, what: str, position: int) -> None:
+def test_a_flipped_bit_fails_every_read_that_touches_it(
+    tmp_path: Path, what: str, position: int, aligned: bool
+) -> None:
     data = chunk_data()
     for number, (low, high) in enumerate(
         [(0, len(data)), (position - HEAD_BYTES - 1, position - HEAD_BYTES + 2)]
@@ -105,23 +115,26 @@ def test_a_flipped_bit_fails_every_read_that_touches_it(tmp_path: Path, what: st
         raw = bytearray(path.read_bytes())
         raw[position] ^= 0x10
         path.write_bytes(bytes(raw))
-        out = memoryview(bytearray(high - low))
+        out = buffer(high - low, aligned)
         assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET + low, out), what
         assert store.errors == 1 and not path.exists()
 
 
-def test_cut_foreign_and_missing_chunks_are_misses(tmp_path: Path) -> None:
-    data = chunk_data()
-    out = memoryview(bytearray(len(data)))
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("length", [CHUNK - 5, CHUNK])
+def test_cut_grown_foreign_and_missing_chunks_are_misses(tmp_path: Path, length: int, aligned: bool) -> None:
+    data = chunk_data(length)
+    out = buffer(len(data), aligned)
     store, path = stored(tmp_path, data)
     assert not store.read_into(IDENT, 3, OFFSET + CHUNK, len(data), OFFSET + CHUNK, out)  # another place
     assert store.errors == 1 and not path.exists()
-    store, path = stored(tmp_path, data)
-    os.truncate(path, HEAD_BYTES + len(data) - 100)
-    assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out)
-    assert store.errors == 1
-    assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out)  # gone: a miss, not an error
-    assert store.errors == 1
+    for size in (HEAD_BYTES + len(data) - 100, HEAD_BYTES + len(data) + 1, HEAD_BYTES + len(data) + 4096):
+        store, path = stored(tmp_path, data)
+        os.truncate(path, size)  # cut, or grown by junk after the data
+        assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out), size
+        assert store.errors == 1
+        assert not store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out)  # gone: a miss, not an error
+        assert store.errors == 1
 
 
 def test_the_head_padding_is_not_data(tmp_path: Path) -> None:
