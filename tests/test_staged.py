@@ -35,6 +35,7 @@ from copy_standin import StandIn
 import streamer
 from streamer import ConfigError, DeviceError, ReadError, SourceError, StreamerConfig
 from streamer.config import DIRECT_IO_ALIGNMENT
+from streamer.destinations.copy_engine import CudaCopyEngine
 from streamer.engine import native
 from streamer.planner import Span, group_spans, plan_pieces
 
@@ -137,6 +138,39 @@ def test_a_pinned_ring_is_pinned_once_per_handle_and_unpinned_before_it_is_unmap
     assert 64 * KiB < size <= limit
     assert [kind for kind, at, _ in events if at == address] == ["pin", "unpin", "free"]
     standin.assert_clean()
+
+
+class _Cudart:
+    """The two ``torch.cuda.cudart()`` calls pinning makes, logged; registering fails with ``error``."""
+
+    def __init__(self, error: int, calls: list[tuple[object, ...]]) -> None:
+        self.error = error
+        self.calls = calls
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:
+        self.calls.append(("register", address, size, flags))
+        return self.error
+
+    def cudaHostUnregister(self, address: int) -> int:
+        self.calls.append(("unregister", address))
+        return 0
+
+
+def test_the_cuda_engine_registers_the_ring_and_names_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CudaCopyEngine.pin`` without a GPU: the ring's own pages registered portable, unregistered
+    at the same address, and a refusal a ``DeviceError`` naming the size, device and CUDA error."""
+    engine = CudaCopyEngine.__new__(CudaCopyEngine)  # no stream: pinning does not use one
+    engine._device = torch.device("cuda:1")
+    memory = torch.empty(8192, dtype=torch.uint8)
+    calls: list[tuple[object, ...]] = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(0, calls))
+    unpin = engine.pin(memory)
+    assert calls == [("register", memory.data_ptr(), 8192, 1)]
+    unpin()
+    assert calls[-1] == ("unregister", memory.data_ptr())
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: _Cudart(2, calls))
+    with pytest.raises(DeviceError, match=r"8192-byte host ring for cuda:1 \(cudaError 2\)"):
+        engine.pin(memory)
 
 
 def test_unaligned_tensors_are_copied_into_aligned_memory(standin: StandIn, tmp_path: Path) -> None:
