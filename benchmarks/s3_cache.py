@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from streamer.bench import runner, stats
+from streamer.bench.units import nonnegative_seconds
 
 SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")
 RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
         "--settle",
-        type=float,
+        type=nonnegative_seconds,
         default=runner.default_settle(),
         help="seconds before each run, as streamer-bench --settle (3 on a VM with free page reporting)",
     )

@@ -293,11 +293,12 @@ class StreamerConfig:
         tensor, so it ignores the limit on the CPU.
     io_mode: ``auto`` reads a file buffered when the page cache holds most of the bytes this
         read needs of it, else with O_DIRECT; ``buffered`` or ``direct`` force one strategy.
-    hugepages: back CPU destination buffers of 4 MiB or more with transparent huge pages
-        (``STREAMER_HUGEPAGES``, 1 or 0). On by default wherever the kernel has THP (``enabled``
-        not ``never``): ~600 page faults per GiB instead of ~262,000. Off by default on VMs with
-        free page reporting (``free_page_reporting``), where every fresh huge page is memory the
-        host took back: there 4 KiB pages loaded 1 GiB 2-4x faster, cold and warm (README).
+    hugepages: back CPU destination buffers and the GPU staging ring of 4 MiB or more with
+        transparent huge pages (``STREAMER_HUGEPAGES``, 1 or 0). On by default wherever the
+        kernel has THP (``enabled`` not ``never``): ~600 page faults per GiB instead of ~262,000.
+        Off by default on VMs with free page reporting (``free_page_reporting``), where every
+        fresh huge page is memory the host took back: there 4 KiB pages loaded 1 GiB 2-4x
+        faster, cold and warm (README).
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.

@@ -41,7 +41,7 @@ from streamer.bench.loaders import (
     settings_for,
 )
 from streamer.bench.machine import facts, s3_endpoint
-from streamer.bench.units import format_bytes, parse_size, positive_int
+from streamer.bench.units import format_bytes, nonnegative_seconds, parse_size, positive_int
 
 DEFAULT_SYNTHETIC = "1GiB"
 # Paired per-round ratios on these VMs spread ~15% around their median: 10 rounds bound the
@@ -67,16 +67,6 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not 0 <= value < 3600:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 to 3600")
-    return value
 
 
 def _choices(allowed: Sequence[str], what: str) -> Any:
@@ -185,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--settle",
-        type=_seconds,
+        type=nonnegative_seconds,
         default=runner.default_settle(),
         metavar="S",
         help=f"seconds between a run and the next (default {runner.DEFAULT_SETTLE:g} on a VM with free page "

@@ -34,6 +34,17 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
+def nonnegative_seconds(text: str) -> float:
+    """An argparse type: seconds from 0 up to an hour, with a usage error that says so."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds from 0 to 3600")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a count of at least 1, with a usage error that says so."""
     try:
