@@ -10,6 +10,7 @@ no cache with one warning; nothing is left behind.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import signal
@@ -232,6 +233,67 @@ def test_blocks_holding_whole_chunks_fetch_and_write_them_in_place(
     got, other = load(prefix(s3_server), cfg(s3_server, tmp_path))  # another layout: all hits too
     assert_same_dict(got, expected)
     assert other["requests"] == 0
+
+
+def test_a_fill_holds_a_chunk_lock_per_fetch_in_flight_or_write_only(
+    s3_server: str, model: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of eight chunks, 4 GETs in flight, one write slot: at most 5 chunk locks (one file
+    descriptor each) are held at any time, however far the blocks run ahead of the GETs. A
+    checkpoint of thousands of chunks must not run out of descriptors."""
+    monkeypatch.setattr(cache_feed, "_WRITE_SLOTS", 1)
+    held = most = 0
+    counting = threading.Lock()
+    lock, release = cache_store.ChunkStore.lock, cache_store.ChunkLock.release
+
+    def counted_lock(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal held, most
+        taken = lock(self, *args, **kwargs)
+        if taken is not None:
+            with counting:
+                held += 1
+                most = max(most, held)
+        return taken
+
+    def counted_release(self: Any) -> None:
+        nonlocal held
+        if self._fd is not None:
+            with counting:
+                held -= 1
+        release(self)
+
+    monkeypatch.setattr(cache_store.ChunkStore, "lock", counted_lock)
+    monkeypatch.setattr(cache_store.ChunkLock, "release", counted_release)
+    got, metrics = load(prefix(s3_server), cfg(s3_server, tmp_path, block_size=8 * CHUNK))
+    assert_same_dict(got, reference_load(model.shards))
+    assert metrics["cache_miss_bytes"] == metrics["bytes"]
+    assert 1 <= most <= 4 + 1 and held == 0
+
+
+def test_closing_mid_load_ends_a_wait_for_another_process_fill(
+    s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    """Another process holds a missing chunk's lock (it is filling it): the load waits for it,
+    but closing the handle after the first tensor ends that wait at once, with no thread or
+    descriptor left behind."""
+    config = cfg(s3_server, tmp_path)
+    load(prefix(s3_server), config)
+    victim = next(p for p in chunk_files(tmp_path) if p.name == "0.chunk")  # a shard's first blocks
+    victim.unlink()
+    threads, fds = thread_count(), fd_count()
+    other = os.open(victim.with_name(victim.name.replace(".chunk", ".lock")), os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        started = time.monotonic()
+        with streamer.open(prefix(s3_server), config=config) as handle:
+            next(iter(handle))
+        assert time.monotonic() - started < cache_feed._FILL_WAIT / 2
+    finally:
+        os.close(other)
+    until = time.monotonic() + 5
+    while thread_count() > threads and time.monotonic() < until:
+        time.sleep(0.05)
+    assert thread_count() <= threads and fd_count() <= fds
 
 
 @pytest.mark.parametrize("block_size", [48 * KiB, CHUNK], ids=["shared-chunks", "whole-chunks"])

@@ -1,60 +1,80 @@
 """The cached part of one run: each block is served chunk by chunk, from the cache or from S3.
 
 The cache keeps objects in chunks on a fixed grid of object offsets (``chunk_bytes``), so a later
-load of any subset, layout or TP rank finds them. A hit is read in place (``ChunkStore.read_into``).
-A miss is one ranged GET of the whole chunk, by a pool of fetcher threads (``s3.concurrency``:
-the GETs in flight), so the chunks a block misses are fetched at once:
+load of any subset, layout or TP rank finds them. Three kinds of workers serve a run:
 
-- a chunk the block holds whole is fetched straight into the block's memory and written to the
-  cache from there; the block is credited after the write (then the run may reuse the memory).
-  The cache storage asks the planner for blocks on the file's ``block_size`` grid, so with the
-  default sizes (8 MiB both) that is every chunk but the one under each header;
-- a chunk the block holds part of (the header's, or any when ``block_size`` is not a multiple of
-  ``chunk_bytes``) is fetched into a shared, reused buffer; every block needing part of it copies
-  its part while it is written from there.
+- serve threads (``_SERVE_THREADS``) take the run's blocks, read their cached chunks in place
+  (``ChunkStore.read_into``: O_DIRECT, every piece checked) and start a fetch for each chunk
+  missing, its chunk lock taken; a block with fetches outstanding is credited by whoever settles
+  the last of them, so the thread goes on to the next block at once. At most ``s3.concurrency``
+  fetches are started and not landed: the serve threads run no further ahead of the GETs, and
+  the locks held (a descriptor each) stay bounded however many chunks a checkpoint has;
+- fetch tasks on the S3 client's event loop (``s3.concurrency`` of them, as in the S3 feeder)
+  send one ranged GET per missing chunk, received straight into the block's memory when the
+  block holds the chunk whole (with ``block_size`` a multiple of ``chunk_bytes``, both 8 MiB by
+  default, every chunk but the one under each header: the storage asks the planner for blocks
+  on that grid), else into a chunk buffer shared by every block needing part of it;
+- writer threads (``_WRITE_SLOTS``) write fetched chunks to the cache from where they landed. A
+  block's own memory is credited only once written (then the run may reuse it); the parts of a
+  shared chunk are copied out first. With every slot busy (the disk is behind) a chunk is not
+  cached, and counted: a write never slows the load.
 
-Writes run on their own threads, so fetchers go on to their next GET at once. A write never
-waits for a slot: with every slot busy (the disk is behind) the chunk is not cached, and counted.
-
-Processes of a node share fills through the store's chunk locks: the filler holds the lock until
-its chunk is in place, the others wait for it and read the chunk from the cache.
+Processes of a node share fills through the store's chunk locks: the fetch of a chunk holds its
+lock until the chunk is in place; a chunk another process holds is waited for on a waiter thread
+(up to ``_FILL_WAIT`` seconds), then read from the cache, or fetched when it is not there.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import queue
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from streamer.backends.base import ExternalFeed, Named, tensor_at
 from streamer.backends.cache.store import ChunkBuffer, ChunkLock, ChunkStore, piece_bytes
 from streamer.backends.http import Connection
-from streamer.backends.s3.client import S3Client
+from streamer.backends.s3.client import S3Client, cancel_all
 from streamer.backends.s3.uri import ObjectInfo
 from streamer.engine import native
 from streamer.errors import S3Error, StreamerError
 
 _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fetching itself
 _WRITE_SLOTS = 32  # chunks written at once; all busy: the disk is behind (16 kept 58-84%, 32 91-99%)
+_SERVE_THREADS = 8  # cache reads in flight, as the local reader's threads
+
+
+class _Block:
+    """A block being served: credited (or failed) when its last outstanding part settles."""
+
+    __slots__ = ("block", "error", "outstanding", "view")
+
+    def __init__(self, block: native.Block, view: memoryview) -> None:
+        self.block = block
+        self.view = view  # the block's credited bytes
+        self.outstanding = 1  # the serving thread's own hold, until it has started every fetch
+        self.error: StreamerError | None = None
 
 
 class _Fetch:
-    """A chunk this run fetches, into the one block's memory that holds it whole (``target``) or
-    into a buffer shared by every block that needs part of it, by its fetcher and by the writer;
-    that buffer goes back to the feed's spares when the last of them releases it."""
+    """One chunk fetched by this run, into the one block's memory that holds it whole
+    (``target``) or into a shared ``chunk`` buffer whose parts the ``waiters`` copy."""
 
-    __slots__ = ("chunk", "first", "key", "last", "result", "target", "users")
+    __slots__ = ("cached", "chunk", "fetched", "first", "key", "last", "lock", "target", "users", "waiters")
 
-    def __init__(self, key: tuple[int, int], first: int, last: int, target: memoryview | None = None) -> None:
+    def __init__(self, key: tuple[int, int], first: int, last: int, target: memoryview | None) -> None:
         self.key = key  # (engine file, chunk index)
         self.first, self.last = first, last  # the chunk's object bytes
         self.target = target
         self.chunk: ChunkBuffer | None = None
-        self.result: Future[bool] = Future()  # whether another process had filled it
-        self.users = 1  # the block that asked for it; guarded by the feed's mutex
+        self.lock: ChunkLock | None = None  # held while this run fills the chunk
+        self.waiters: list[tuple[_Block, int, int]] = []  # (block, low, high): its object bytes here
+        self.fetched = False  # shared chunk: landed, later blocks copy it at once
+        self.cached = False  # landed from the cache: another process filled it meanwhile
+        self.users = 1  # of a shared chunk buffer: the fetch itself, and blocks copying from it
 
 
 class CacheFeed(ExternalFeed):
@@ -80,7 +100,8 @@ class CacheFeed(ExternalFeed):
         self._tensors = tensors
         self._counted = (client.requests, client.retries, client.bytes_fetched, store.errors)
         self._mutex = threading.Lock()
-        self._filling: dict[tuple[int, int], _Fetch] = {}
+        self._shared: dict[tuple[int, int], _Fetch] = {}  # shared chunks fetched or being written
+        self._locked: set[_Fetch] = set()  # fetches holding their chunk's lock
         self._spare: list[ChunkBuffer] = []  # chunk buffers no fetch uses any more
         self._counters = {
             "cache_hit_bytes": 0,
@@ -90,22 +111,30 @@ class CacheFeed(ExternalFeed):
         }
         deadline = client.config.load_deadline
         self._until = None if deadline is None else time.monotonic() + deadline
-        self._blocks: queue.SimpleQueue[native.Block | None] = queue.SimpleQueue()
-        self._fetches: queue.SimpleQueue[_Fetch | None] = queue.SimpleQueue()
-        self._write_slots = threading.BoundedSemaphore(_WRITE_SLOTS)
+        self._closing = threading.Event()
         self._closed = False
-        concurrency = client.config.concurrency
+        self._blocks: queue.SimpleQueue[native.Block | None] = queue.SimpleQueue()
+        self._write_slots = threading.BoundedSemaphore(_WRITE_SLOTS)
+        # Fetches started and not yet landed (a chunk lock each): the serve threads go no further
+        # ahead of the GETs in flight than this.
+        self._fetch_slots = threading.BoundedSemaphore(client.config.concurrency)
+        self._write_pool = ThreadPoolExecutor(_WRITE_SLOTS, thread_name_prefix="streamer-cache-write")
+        self._wait_pool = ThreadPoolExecutor(
+            client.config.concurrency, thread_name_prefix="streamer-cache-wait"
+        )
+        self._fetches: asyncio.Queue[_Fetch] | None = None
+        self._fetchers: list[asyncio.Task[None]] = []
+        client.call(self._start_fetchers(client.config.concurrency))
         self._servers = [
             threading.Thread(target=self._serve_loop, name="streamer-cache-serve", daemon=True)
-            for _ in range(concurrency)
+            for _ in range(_SERVE_THREADS)
         ]
-        self._fetchers = [
-            threading.Thread(target=self._fetch_loop, name="streamer-cache-fetch", daemon=True)
-            for _ in range(concurrency)
-        ]
-        self._write_pool = ThreadPoolExecutor(_WRITE_SLOTS, thread_name_prefix="streamer-cache-write")
-        for thread in (*self._servers, *self._fetchers):
+        for thread in self._servers:
             thread.start()
+
+    async def _start_fetchers(self, concurrency: int) -> None:
+        self._fetches = asyncio.Queue()
+        self._fetchers = [asyncio.create_task(self._fetch_loop()) for _ in range(concurrency)]
 
     def submit(self, blocks: Sequence[native.Block]) -> None:
         if self._error is not None:
@@ -113,187 +142,253 @@ class CacheFeed(ExternalFeed):
         for block in blocks:
             self._blocks.put(block)
 
+    # --- serving blocks (serve threads) --------------------------------------------------
+
     def _serve_loop(self) -> None:
         while (block := self._blocks.get()) is not None:
             if self._error is None:
                 self._serve(block)
 
     def _serve(self, block: native.Block) -> None:
-        """Lands ``block``: its cached chunks read in place, the others fetched all at once by the
-        fetchers. A chunk the block holds whole is fetched straight into the block's memory (the
-        cache feeds' planner grid is the chunk grid, so with ``block_size`` a multiple of
-        ``chunk_bytes`` that is nearly every chunk); a chunk it holds part of is fetched into a
-        shared buffer and the part copied in."""
+        """Reads the block's cached chunks in place and starts a fetch for each missing one."""
         info = self._objects[block.file]
         begin, end = block.acc_begin, block.acc_end
-        view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
-        waiting: list[tuple[_Fetch, int, int, int]] = []  # (fetch, chunk's first byte, low, high)
+        served = _Block(block, native.writable_view(block.dst + (begin - block.read_offset), end - begin))
         try:
             for index in range(begin // self._chunk, (end - 1) // self._chunk + 1):
                 first = index * self._chunk
                 last = min(first + self._chunk, info.size)
                 low, high = max(begin, first), min(end, last)
-                part = view[low - begin : high - begin]
+                part = served.view[low - begin : high - begin]
                 if self._store.read_into(self._idents[block.file], index, first, last - first, low, part):
                     self._count("cache_hit_bytes", high - low)
                 elif (low, high) == (first, last):
-                    waiting.append(
-                        (self._fetch_whole(block.file, index, first, last, part), first, low, high)
-                    )
+                    fetch = _Fetch((block.file, index), first, last, part)
+                    fetch.waiters.append((served, low, high))
+                    served.outstanding += 1
+                    self._start(fetch)
                 else:
-                    waiting.append((self._fetch(block.file, index, first, last), first, low, high))
-            while waiting:
-                fetch, first, low, high = waiting.pop(0)
-                try:
-                    cached = fetch.result.result()
-                    if fetch.chunk is not None:
-                        with fetch.chunk.data as data:
-                            view[low - begin : high - begin] = data[low - first : high - first]
-                finally:
-                    self._release(fetch)
-                self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
-        except S3Error as error:
-            self.fail(error, block)
-            return
+                    self._join_shared(served, block.file, index, first, last, low, high)
         except Exception as exc:  # a bug must still end the run, never hang it
-            name = tensor_at(self._tensors, block.file, begin)
-            self.fail(
-                StreamerError(
-                    f"cache: unexpected failure: {type(exc).__name__}: {exc}", path=info.path, tensor=name
-                ),
-                block,
-            )
-            return
-        finally:
-            for fetch, *_ in waiting:
-                self._release(fetch)
-            view.release()
-        self.credit(block)
+            served.error = self._unexpected(exc, block)
+        self._settle_part(served)
 
-    def _fetch(self, file: int, index: int, first: int, last: int) -> _Fetch:
-        """The run's fetch of chunk ``index`` of engine file ``file`` into a shared buffer: the one
-        under way (another block needs the same chunk) or a new one queued for the fetchers. A
-        fetched chunk stays shared in memory until it is written, so the next block never waits
-        for the writer. The caller releases it."""
-        key = (file, index)
+    def _join_shared(
+        self, served: _Block, file: int, index: int, first: int, last: int, low: int, high: int
+    ) -> None:
+        """Gets bytes ``[low, high)`` of chunk ``index`` (one the block holds part of) through
+        the run's shared fetch of it: copied now if it has landed, else when it does."""
         with self._mutex:
-            fetch = self._filling.get(key)
-            if fetch is not None:
+            fetch = self._shared.get((file, index))
+            new = fetch is None
+            if fetch is None:
+                fetch = self._shared[(file, index)] = _Fetch((file, index), first, last, None)
+            landed = fetch.fetched
+            if landed:
                 fetch.users += 1
-                return fetch
-            fetch = self._filling[key] = _Fetch(key, first, last)
-        self._fetches.put(fetch)
-        return fetch
+            else:
+                fetch.waiters.append((served, low, high))
+                served.outstanding += 1
+        if landed:
+            try:
+                self._copy_part(fetch, served, low, high)
+            finally:
+                self._release_buffer(fetch)
+            self._count("cache_hit_bytes" if fetch.cached else "cache_miss_bytes", high - low)
+        elif new:
+            self._start(fetch)
 
-    def _fetch_whole(self, file: int, index: int, first: int, last: int, target: memoryview) -> _Fetch:
-        """A fetch of chunk ``index`` straight into ``target``, the block's memory (no other block
-        of the run needs it), queued for the fetchers. The caller releases it."""
-        fetch = _Fetch((file, index), first, last, target)
-        self._fetches.put(fetch)
-        return fetch
+    def _start(self, fetch: _Fetch) -> None:
+        """Takes a fetch slot (waiting while ``s3.concurrency`` fetches are under way) and the
+        chunk's lock, and queues the fetch; a chunk another process is filling is waited for on a
+        waiter thread instead."""
+        while not self._fetch_slots.acquire(timeout=0.1):
+            if self._closing.is_set():
+                return
+        ident, index = self._idents[fetch.key[0]], fetch.key[1]
+        lock = self._store.lock(ident, index, 0.0)
+        if lock is None and self._store.writable:
+            self._wait_pool.submit(self._wait_for_fill, fetch)
+        else:
+            self._begin(fetch, lock)
 
-    def _fetch_loop(self) -> None:
+    def _wait_for_fill(self, fetch: _Fetch) -> None:
+        ident, index = self._idents[fetch.key[0]], fetch.key[1]
+        self._begin(fetch, self._store.lock(ident, index, _FILL_WAIT, stop=self._closing))
+
+    def _begin(self, fetch: _Fetch, lock: ChunkLock | None) -> None:
+        """With the lock (or without, when the cache cannot hold it): the chunk from the cache
+        when another process filled it meanwhile, else queued for the fetch tasks."""
+        if self._closing.is_set():  # the run is over: nothing waits for this chunk any more
+            if lock is not None:
+                lock.release()
+            return
+        if fetch.target is None:
+            with self._mutex:
+                fetch.chunk = self._spare.pop() if self._spare else ChunkBuffer(self._chunk)
+            fetch.chunk.length = fetch.last - fetch.first
+        if lock is not None:
+            with self._mutex:
+                fetch.lock = lock
+                self._locked.add(fetch)
+            file, index = fetch.key
+            with self._land(fetch) as view:
+                filled = self._store.read_into(
+                    self._idents[file], index, fetch.first, fetch.last - fetch.first, fetch.first, view
+                )
+            if filled:
+                self._fetch_slots.release()
+                self._unlock(fetch)
+                self._fetched(fetch, cached=True)
+                return
+        self._client.loop.call_soon_threadsafe(self._queue_fetch, fetch)
+
+    def _queue_fetch(self, fetch: _Fetch) -> None:
+        assert self._fetches is not None
+        self._fetches.put_nowait(fetch)
+
+    # --- fetching (tasks on the client's loop) -------------------------------------------
+
+    async def _fetch_loop(self) -> None:
+        assert self._fetches is not None
         connection = self._client.connection()
         try:
-            while (fetch := self._fetches.get()) is not None:
-                self._run_fetch(connection, fetch)
+            while True:
+                fetch = await self._fetches.get()
+                await self._fetch(connection, fetch)
         finally:
             connection.close()
 
-    def _run_fetch(self, connection: Connection, fetch: _Fetch) -> None:
-        with self._mutex:
-            fetch.users += 1  # this fetcher's, then the write's, until the fetch is settled
-        try:
-            if self._error is not None:
-                raise self._error  # the run has failed: its blocks are dropped, fetch nothing more
-            cached, lock = self._fill(connection, fetch)
-        except BaseException as error:
-            self._settle(fetch, error=error)
-            return
-        if lock is None:
-            self._settle(fetch, cached)
-        elif self._write_slots.acquire(blocking=False):
-            if fetch.target is None:
-                fetch.result.set_result(cached)  # blocks copy their parts while it is written
-            self._write_pool.submit(self._write, fetch, cached, lock)
-        else:  # every slot busy: the disk is behind, this chunk is not cached
-            lock.release()
-            self._count("cache_dropped", 1)
-            self._settle(fetch, cached)
+    async def _fetch(self, connection: Connection, fetch: _Fetch) -> None:
+        info = self._objects[fetch.key[0]]
+        error: StreamerError | None = self._error  # the run has failed: fetch nothing more
+        if error is None:
+            try:
+                with self._land(fetch) as view:
+                    await self._client.fetch_into(
+                        connection, info, fetch.first, fetch.last, view, until=self._until
+                    )
+            except S3Error as failure:
+                error = failure
+            except Exception as exc:  # a bug must still end the run, never hang it
+                error = S3Error(
+                    f"cache: unexpected failure: {type(exc).__name__}: {exc}",
+                    bucket=info.uri.bucket,
+                    key=info.uri.key,
+                    byte_range=(fetch.first, fetch.last),
+                )
+        self._fetch_slots.release()
+        if error is not None:
+            self._unlock(fetch)
+            self._fetched(fetch, error=error)
+        elif fetch.lock is not None and self._write_slots.acquire(blocking=False):
+            self._write_pool.submit(self._write, fetch)
+        else:
+            if fetch.lock is not None:  # every slot busy: the disk is behind, not cached
+                self._count("cache_dropped", 1)
+                self._unlock(fetch)
+            self._fetched(fetch)
 
-    def _write(self, fetch: _Fetch, cached: bool, lock: ChunkLock) -> None:
-        """Writes a fetched chunk from where it landed, then settles the fetch: a block's own
-        memory is credited only after (then the run may reuse it); the fetcher has already
-        moved on to its next GET."""
+    # --- landing (writer threads, or wherever a fetch ends) ------------------------------
+
+    def _write(self, fetch: _Fetch) -> None:
+        """Writes a fetched chunk from where it landed: a shared chunk's parts are copied out
+        first, a block's own memory is credited only after (then the run may reuse it)."""
+        shared = fetch.target is None
         try:
-            if fetch.target is not None:
-                self._store_chunk(fetch, fetch.target)
-            else:
-                assert fetch.chunk is not None
-                with fetch.chunk.data as data:
-                    self._store_chunk(fetch, data)
+            if shared:
+                self._fetched(fetch)
+            file, index = fetch.key
+            with self._land(fetch) as data:
+                if self._store.write(self._idents[file], index, fetch.first, data, self._piece):
+                    self._count("cache_write_bytes", len(data))
         finally:
             self._write_slots.release()
-            self._settle(fetch, cached)  # forgotten before the lock goes: waiters find it on disk
-            lock.release()
-
-    def _store_chunk(self, fetch: _Fetch, data: memoryview) -> None:
-        file, index = fetch.key
-        if self._store.write(self._idents[file], index, fetch.first, data, self._piece):
-            self._count("cache_write_bytes", len(data))
-
-    def _settle(self, fetch: _Fetch, cached: bool = False, error: BaseException | None = None) -> None:
-        """Publishes the fetch's outcome (unless already out), forgets a shared fetch (later
-        blocks find its chunk in the cache, or fetch it again) and ends this thread's use of it."""
-        if not fetch.result.done():
-            if error is None:
-                fetch.result.set_result(cached)
+            if shared:
+                self._forget(fetch)  # before the lock goes: later blocks find the chunk on disk
             else:
-                fetch.result.set_exception(error)
-        if fetch.target is None:
-            self._forget(fetch.key)
-        self._release(fetch)
+                self._fetched(fetch)
+            self._unlock(fetch)
 
-    def _forget(self, key: tuple[int, int]) -> None:
+    def _fetched(self, fetch: _Fetch, *, cached: bool = False, error: StreamerError | None = None) -> None:
+        """Settles the blocks waiting for ``fetch``: their parts of a shared chunk copied (or
+        the error recorded), each credited if it was its last outstanding part. A shared chunk
+        that landed stays for later blocks until written; one that failed is forgotten."""
         with self._mutex:
-            del self._filling[key]
+            waiters, fetch.waiters = fetch.waiters, []
+            fetch.fetched, fetch.cached = error is None, cached
+            writing = fetch.lock is not None  # the writer forgets a shared chunk once written
+        for served, low, high in waiters:
+            if error is not None:
+                served.error = served.error or error
+            elif fetch.target is None:
+                try:
+                    self._copy_part(fetch, served, low, high)
+                except Exception as exc:  # a bug must still end the run, never hang it
+                    served.error = served.error or self._unexpected(exc, served.block)
+            if error is None:
+                self._count("cache_hit_bytes" if cached else "cache_miss_bytes", high - low)
+            self._settle_part(served)
+        if fetch.target is None and not writing:
+            self._forget(fetch)
 
-    def _release(self, fetch: _Fetch) -> None:
-        """One user of ``fetch`` is done with its chunk; the last one gives it back for reuse."""
+    def _copy_part(self, fetch: _Fetch, served: _Block, low: int, high: int) -> None:
+        assert fetch.chunk is not None
+        begin = served.block.acc_begin
+        with fetch.chunk.data as data:
+            served.view[low - begin : high - begin] = data[low - fetch.first : high - fetch.first]
+
+    def _settle_part(self, served: _Block) -> None:
+        """One outstanding part of ``served`` is done; the last one credits or fails the block."""
+        with self._mutex:
+            served.outstanding -= 1
+            if served.outstanding:
+                return
+        served.view.release()
+        if served.error is None:
+            self.credit(served.block)
+        else:
+            self.fail(served.error, served.block)
+
+    def _unexpected(self, exc: Exception, block: native.Block) -> StreamerError:
+        return StreamerError(
+            f"cache: unexpected failure: {type(exc).__name__}: {exc}",
+            path=self._objects[block.file].path,
+            tensor=tensor_at(self._tensors, block.file, block.acc_begin),
+        )
+
+    @contextlib.contextmanager
+    def _land(self, fetch: _Fetch) -> Iterator[memoryview]:
+        """The memory the chunk lands in (and is written from)."""
+        if fetch.target is not None:
+            view = fetch.target[:]
+        else:
+            assert fetch.chunk is not None
+            view = fetch.chunk.data
+        try:
+            yield view
+        finally:
+            view.release()
+
+    def _forget(self, fetch: _Fetch) -> None:
+        with self._mutex:
+            if self._shared.get(fetch.key) is fetch:
+                del self._shared[fetch.key]
+        self._release_buffer(fetch)
+
+    def _release_buffer(self, fetch: _Fetch) -> None:
+        """One user of a shared chunk buffer is done; the last one gives it back for reuse."""
         with self._mutex:
             fetch.users -= 1
             if fetch.users == 0 and fetch.chunk is not None:
                 self._spare.append(fetch.chunk)
 
-    def _fill(self, connection: Connection, fetch: _Fetch) -> tuple[bool, ChunkLock | None]:
-        """Lands the chunk in ``fetch.target`` or ``fetch.chunk``: from the cache if another
-        process filled it while we waited for its lock (True), else from S3; and, when it is ours
-        to write, its lock."""
-        (file, index), first, last = fetch.key, fetch.first, fetch.last
-        ident = self._idents[file]
-        lock = self._store.lock(ident, index, _FILL_WAIT)
-        if fetch.target is not None:
-            view = fetch.target[:]
-        else:
-            with self._mutex:
-                chunk = self._spare.pop() if self._spare else ChunkBuffer(self._chunk)
-            chunk.length = last - first
-            fetch.chunk = chunk
-            view = chunk.data
-        try:
-            if lock is not None and self._store.read_into(ident, index, first, last - first, first, view):
-                lock.release()
-                return True, None
-            self._client.call(
-                self._client.fetch_into(connection, self._objects[file], first, last, view, until=self._until)
-            )
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        finally:
-            view.release()
-        return False, lock
+    def _unlock(self, fetch: _Fetch) -> None:
+        with self._mutex:
+            lock, fetch.lock = fetch.lock, None
+            self._locked.discard(fetch)
+        if lock is not None:
+            lock.release()
 
     def _count(self, name: str, amount: int) -> None:
         with self._mutex:
@@ -313,21 +408,30 @@ class CacheFeed(ExternalFeed):
         }
 
     def close(self) -> None:
-        """Stops the servers (after the block each is serving: the fetches they wait for finish,
-        bounded by the client's deadlines), then the fetchers, and lets the writer finish what it
-        holds (its chunks are copies, not the run's memory). Idempotent."""
+        """Returns once nothing of this feed can write into the run's memory or read from it:
+        queued blocks are dropped, the serve threads end after their block, waits for other
+        processes' fills end, fetches in flight are cancelled and the writes under way finish;
+        every chunk lock still held is released. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(Exception):
+        self._closing.set()
+        with contextlib.suppress(queue.Empty):
             while True:
-                self._blocks.get_nowait()  # queued blocks are dropped
+                self._blocks.get_nowait()
         for _ in self._servers:
             self._blocks.put(None)
         for thread in self._servers:
             thread.join()
-        for _ in self._fetchers:
-            self._fetches.put(None)
-        for thread in self._fetchers:
-            thread.join()
+        self._wait_pool.shutdown(wait=True, cancel_futures=True)
+        self._client.call(self._stop_fetchers())
         self._write_pool.shutdown(wait=True)
+        with self._mutex:
+            locked, self._locked = list(self._locked), set()
+        for fetch in locked:
+            if fetch.lock is not None:
+                fetch.lock.release()
+
+    async def _stop_fetchers(self) -> None:
+        fetchers, self._fetchers = self._fetchers, []
+        await cancel_all(fetchers)

@@ -122,10 +122,21 @@ class ChunkStore:
     def _path(self, ident: str, index: int) -> str:
         return os.path.join(self._root, ident, f"{index}{_SUFFIX}")
 
-    def read_into(self, ident: str, index: int, offset: int, length: int, low: int, out: memoryview) -> bool:
+    def read_into(
+        self,
+        ident: str,
+        index: int,
+        offset: int,
+        length: int,
+        low: int,
+        out: memoryview,
+        *,
+        discard: bool = True,
+    ) -> bool:
         """Fills ``out`` with the object's bytes ``[low, low + len(out))`` from chunk ``index``
         (object bytes ``[offset, offset + length)``), every piece under them checked; False when
-        the chunk is not cached or fails a check (it is then deleted, and ``out`` may hold junk)."""
+        the chunk is not cached or fails a check (it is then deleted and counted, unless not
+        ``discard``: left for the run that reads it to find; ``out`` may hold junk)."""
         path = self._path(ident, index)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -141,6 +152,8 @@ class ChunkStore:
             with contextlib.suppress(OSError):
                 os.utime(path)  # LRU: most recently used
             return True
+        if not discard:
+            return False
         try:
             os.unlink(path)  # whoever removes it counts it (two readers of one bad chunk: one error)
         except OSError:
@@ -223,9 +236,11 @@ class ChunkStore:
             self._direct = False
             return None
 
-    def lock(self, ident: str, index: int, wait: float) -> ChunkLock | None:
-        """The chunk's lock, waiting up to ``wait`` seconds for another filler; None when the
-        wait ran out or the directory cannot hold lock files."""
+    def lock(
+        self, ident: str, index: int, wait: float, stop: threading.Event | None = None
+    ) -> ChunkLock | None:
+        """The chunk's lock, waiting up to ``wait`` seconds for another filler (or until ``stop``
+        is set); None when the wait ended or the directory cannot hold lock files."""
         if not self._writable:
             return None
         directory = os.path.join(self._root, ident)
@@ -243,7 +258,7 @@ class ChunkStore:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return ChunkLock(fd)
             except BlockingIOError:
-                if time.monotonic() >= until:
+                if time.monotonic() >= until or (stop is not None and stop.is_set()):
                     os.close(fd)
                     return None
                 time.sleep(_WAIT_STEP)
