@@ -484,13 +484,14 @@ class S3Client:
             data += await self.get_bytes(info, len(data), info.size, source_errors=True)
         return data
 
-    async def list_keys(self, bucket: str, prefix: str) -> list[str]:
-        """Keys directly under ``prefix`` (not in sub-"directories"), sorted.
+    async def list_objects(self, bucket: str, prefix: str) -> list[ObjectInfo]:
+        """Objects directly under ``prefix`` (not in sub-"directories"), sorted by key, each with
+        the size and ETag the listing gives.
 
         A continuation token seen before, or more than ``max_list_pages`` pages, is an error: a
         server that answers ``IsTruncated`` for ever must not keep the open running for ever.
         """
-        keys: list[str] = []
+        found: list[ObjectInfo] = []
         token: str | None = None
         seen: set[str] = set()
         uri = S3Uri(bucket, prefix)
@@ -505,10 +506,13 @@ class S3Client:
                 return result
 
             page = await self.retrying(uri, None, once, nbytes=_LIST_PAGE_BYTES, source_errors=True)
-            keys.extend(item["Key"] for item in page.get("Contents", []))
+            found.extend(
+                ObjectInfo(S3Uri(bucket, item["Key"]), int(item.get("Size", 0)), item.get("ETag"))
+                for item in page.get("Contents", [])
+            )
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
-                return sorted(keys)
+                return sorted(found, key=lambda info: info.uri.key)
             if token in seen:
                 raise S3SourceError(
                     "the listing repeats a continuation token: it would never end", bucket=bucket, key=prefix
