@@ -6,8 +6,9 @@ the same checkpoint as plain local files, and against Run:ai's S3 loader, paired
 
 ``DIR`` holds the checkpoint's files, ``--source`` the same files in a bucket (``s3_load.py
 --keep DIR`` generates and uploads both; point ``AWS_ENDPOINT_URL`` at the shaped endpoint).
-Every round runs, in a rotating order and each in a fresh process (``streamer.bench.child``)
-started ``--settle`` seconds after the last (``streamer-bench --settle``):
+Every round runs, shuffled after the first (``runner.round_order``), each in a fresh process
+(``streamer.bench.child``) started ``--settle`` seconds after the last (``streamer-bench
+--settle``):
 
   - "local cold":  streamer from ``DIR``, its page cache evicted;
   - "hit cold":    streamer from S3 through a full cache, the cache's files evicted (the
@@ -137,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     run_seconds: dict[str, dict[int, float]] = {s: {} for s in settings if s != "runai s3"}
     records: list[dict[str, Any]] = []
     for round_number in range(args.repeat):
-        shift = round_number % len(settings)
-        for setting in settings[shift:] + settings[:shift]:
+        for setting in runner.round_order(settings, round_number):
             cache_dir: Path | None = None
             if setting == "local cold":
                 req = request("streamer", str(args.local), local_files, "cold")
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             # compare(ours, theirs) is theirs / ours per round: the numerator is "theirs".
             paired = stats.compare(times[denominator], times[numerator])
-            verdicts.append({"ratio": f"{numerator} / {denominator}", "clock": clock, **paired.__dict__})
+            verdicts.append({"compared": f"{numerator} / {denominator}", "clock": clock, **paired.__dict__})
             low = "-" if paired.low is None else f"{paired.low:.2f}"
             high = "-" if paired.high is None else f"{paired.high:.2f}"
             ratio = "-" if paired.ratio is None else f"{paired.ratio:.2f}"

@@ -9,7 +9,11 @@ cheap. The endpoint and credentials reach every process through the standard AWS
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -256,3 +260,54 @@ def test_a_synthetic_checkpoint_is_uploaded_and_benchmarked_from_s3(
 def test_upload_arguments_are_checked(args: list[str]) -> None:
     proc = bench(*args, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
+
+
+# --- benchmarks/s3_cache.py ------------------------------------------------------------------
+
+S3_CACHE = Path(__file__).resolve().parent.parent / "benchmarks" / "s3_cache.py"
+
+
+def run_cache_benchmark(s3_server: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(S3_CACHE), *args],
+        env={**os.environ, **aws_variables(s3_server), "STREAMER_S3_ADDRESSING_STYLE": "path"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def test_the_cache_benchmark_runs_the_settings_asked_for(
+    s3_server: str, checkpoint: synthetic.Synthetic, tmp_path: Path
+) -> None:
+    """``benchmarks/s3_cache.py`` end to end at 4 MiB with two of its settings: the cache filled
+    first, then rounds of those two only, every hit read all from the cache, and their ratios.
+    Timings are not judged."""
+    out = tmp_path / "cache.json"
+    done = run_cache_benchmark(
+        s3_server,
+        *("--local", str(checkpoint.files[0].parent), "--source", f"s3://{BUCKET}/model/"),
+        *("--repeat", "3", "--settle", "0", "--settings", "hit cold, local cold"),
+        *("--work", str(tmp_path / "work"), "--json", str(out)),
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(out.read_text())
+    runs = found["runs"]
+    assert len(runs) == 6 and {r["setting"] for r in runs} == {"hit cold", "local cold"}
+    assert [r["setting"] for r in runs[:2]] == ["local cold", "hit cold"]  # round 0 in table order
+    for hit in (r["metrics"] for r in runs if r["setting"] == "hit cold"):
+        assert hit["cache_miss_bytes"] == 0 and hit["cache_hit_bytes"] == hit["bytes"] > 0
+    assert [(v["compared"], v["clock"]) for v in found["ratios"]] == [
+        ("local cold / hit cold", "load"),
+        ("local cold / hit cold", "run"),
+    ]
+    assert all(v["ratio"] > 0 for v in found["ratios"])
+    assert SECRET_KEY not in done.stdout + done.stderr
+
+
+def test_the_cache_benchmark_refuses_an_unknown_setting(s3_server: str, tmp_path: Path) -> None:
+    done = run_cache_benchmark(
+        s3_server, "--local", str(tmp_path), "--source", "s3://b/p/", "--settings", "hit cold,warm"
+    )
+    assert done.returncode == 2 and "settings are some of local cold, hit cold" in done.stderr

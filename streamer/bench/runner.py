@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from streamer.bench import cache
 from streamer.bench.child import RESULT_MARK
@@ -21,6 +21,7 @@ from streamer.bench.units import format_bytes, gbps
 from streamer.config import free_page_reporting
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds ``streamer/``
+T = TypeVar("T")
 
 
 class ChildFailed(Exception):
@@ -140,8 +141,9 @@ def _check_start(run: Run, state: str, config: Config) -> None:
         run.valid, run.error = False, f"not warm at the start of the clock: {file_bytes - seen} bytes missing"
 
 
-def round_order(configs: Sequence[Config], round_index: int) -> list[Config]:
-    """Round 0 as given (the first figures come in the order the table lists); later rounds shuffled."""
+def round_order(configs: Sequence[T], round_index: int) -> list[T]:
+    """Round 0 as given (the first figures come in the order the table lists); later rounds
+    shuffled (a fixed rotation would put each setting after the same one every round)."""
     order = list(configs)
     if round_index > 0:
         random.Random(round_index).shuffle(order)
