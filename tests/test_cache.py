@@ -42,7 +42,6 @@ from streamer import CacheConfig, StreamerConfig
 from streamer.backends.cache import feed as cache_feed
 from streamer.backends.cache import store as cache_store
 from streamer.backends.cache.store import CacheWarning
-from streamer.backends.s3.client import S3Client
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -129,44 +128,6 @@ def test_miss_then_hit_bit_exact_with_no_data_get(s3_server: str, model: Written
         time.sleep(0.05)
     assert thread_count() <= threads and fd_count() <= fds  # fewer: a moto thread of the warm-up ended
     assert not [t for t in threading.enumerate() if t.name.startswith("streamer-cache")]
-
-
-def test_a_hit_on_a_listed_prefix_reads_no_header_from_s3(
-    s3_server: str, model: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The listing gives each object's size and ETag, its identity, so a hit reads the headers
-    from the cache too: the listing is the open's only request. A file named alone still has its
-    header read from S3 (nothing else gives its identity); a bad chunk under a header is read
-    from S3 for the header, then counted, fetched again and rewritten by the run."""
-    expected = reference_load(model.shards)
-    config = cfg(s3_server, tmp_path)
-    load(prefix(s3_server), config)
-    header_reads = 0
-    get_start = S3Client.get_start
-
-    async def counted(self: S3Client, *args: Any, **kwargs: Any) -> Any:
-        nonlocal header_reads
-        header_reads += 1
-        return await get_start(self, *args, **kwargs)
-
-    monkeypatch.setattr(S3Client, "get_start", counted)
-    got, hit = load(prefix(s3_server), config)
-    assert_same_dict(got, expected)
-    assert header_reads == 0 and hit["requests"] == 0 and hit["cache_hit_bytes"] == hit["bytes"]
-    got, _ = load(f"s3://{BUCKET}/model/{model.shards[0].name}", config)
-    assert_same_dict(got, reference_load(model.shards[:1]))
-    assert header_reads == 1
-    victim = next(p for p in chunk_files(tmp_path) if p.name == "0.chunk")
-    raw = bytearray(victim.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    victim.write_bytes(bytes(raw))
-    got, healed = load(prefix(s3_server), config)
-    assert_same_dict(got, expected)
-    assert header_reads == 2
-    assert healed["cache_errors"] == 1 and healed["requests"] - healed["retries"] == 1
-    got, again = load(prefix(s3_server), config)
-    assert_same_dict(got, expected)
-    assert header_reads == 2 and again["requests"] == 0
 
 
 def test_partial_hits_some_files_some_chunks(s3_server: str, model: Written, tmp_path: Path) -> None:

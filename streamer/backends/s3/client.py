@@ -484,14 +484,13 @@ class S3Client:
             data += await self.get_bytes(info, len(data), info.size, source_errors=True)
         return data
 
-    async def list_objects(self, bucket: str, prefix: str) -> list[ObjectInfo]:
-        """Objects directly under ``prefix`` (not in sub-"directories"), sorted by key, each with
-        the size and ETag the listing gives.
+    async def list_keys(self, bucket: str, prefix: str) -> list[str]:
+        """Keys directly under ``prefix`` (not in sub-"directories"), sorted.
 
         A continuation token seen before, or more than ``max_list_pages`` pages, is an error: a
         server that answers ``IsTruncated`` for ever must not keep the open running for ever.
         """
-        found: list[ObjectInfo] = []
+        keys: list[str] = []
         token: str | None = None
         seen: set[str] = set()
         uri = S3Uri(bucket, prefix)
@@ -506,13 +505,10 @@ class S3Client:
                 return result
 
             page = await self.retrying(uri, None, once, nbytes=_LIST_PAGE_BYTES, source_errors=True)
-            found.extend(
-                ObjectInfo(S3Uri(bucket, item["Key"]), int(item.get("Size", 0)), item.get("ETag"))
-                for item in page.get("Contents", [])
-            )
+            keys.extend(item["Key"] for item in page.get("Contents", []))
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
-                return sorted(found, key=lambda info: info.uri.key)
+                return sorted(keys)
             if token in seen:
                 raise S3SourceError(
                     "the listing repeats a continuation token: it would never end", bucket=bucket, key=prefix

@@ -3,17 +3,16 @@
 
 Opening lists the prefix or reads the index, then fetches the front of every file, all files at
 once, each with one speculative ranged GET of the first ``header_bytes`` (which also gives the
-object's size and ETag); ``read_ranges`` fetches the rest of a header longer than that. A listed
-object's front may come from elsewhere instead (``KnownFront``: the node's cache, keyed by the
-size and ETag the listing gave). The one client (``client.py``) is made on first use and serves
-every run of the handle (``feeder.py``) until ``close()``.
+object's size and ETag); ``read_ranges`` fetches the rest of a header longer than that. The one
+client (``client.py``) is made on first use and serves every run of the handle (``feeder.py``)
+until ``close()``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from streamer.backends.base import Feed, Front, Named, Opened, Range, Span, Storage, StoredFile
 from streamer.backends.s3.client import ClientHolder, S3Client
@@ -27,10 +26,6 @@ from streamer.sources import INDEX_SUFFIX, ResolvedSource, SourceLike, parse_ind
 _SUFFIX = ".safetensors"
 _HEADER_REQUESTS = 32  # header GETs in flight at once
 
-# The first ``header_bytes`` of a listed object (its size and ETag as listed) found without a GET,
-# or None; awaited on the client's loop.
-KnownFront = Callable[[ObjectInfo], Awaitable[bytes | None]]
-
 
 class S3Storage(Storage):
     """An S3 endpoint as ``config`` describes it; one client, shared by the handle's runs."""
@@ -40,15 +35,11 @@ class S3Storage(Storage):
     def __init__(self, config: S3Config) -> None:
         self._holder = ClientHolder(config)
 
-    @property
-    def config(self) -> S3Config:
-        return self._holder.config
-
-    def open(self, source: SourceLike, *, known_front: KnownFront | None = None) -> Opened:
+    def open(self, source: SourceLike) -> Opened:
         texts = [source] if isinstance(source, (str, os.PathLike)) else list(source)
         uris = [parse_uri(os.fspath(t)) for t in texts]
         client = self._holder.get()
-        return client.call(_open(client, uris, single=len(uris) == 1, known_front=known_front))
+        return client.call(_open(client, uris, single=len(uris) == 1))
 
     def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
         if not ranges:
@@ -87,12 +78,9 @@ async def _read_ranges(client: S3Client, ranges: list[tuple[ObjectInfo, int, int
     return list(await asyncio.gather(*(read(*r) for r in ranges)))
 
 
-async def _open(
-    client: S3Client, uris: list[S3Uri], *, single: bool, known_front: KnownFront | None
-) -> Opened:
+async def _open(client: S3Client, uris: list[S3Uri], *, single: bool) -> Opened:
     index_path: str | None = None
     weight_map: dict[str, str] = {}
-    files: Sequence[S3Uri | ObjectInfo]
     if single and (uris[0].key == "" or uris[0].key.endswith("/")):
         files = await _list_prefix(client, uris[0])
     elif single and uris[0].key.endswith(INDEX_SUFFIX):
@@ -113,12 +101,7 @@ async def _open(
         files = uris
     gate = asyncio.Semaphore(_HEADER_REQUESTS)
 
-    async def front(file: S3Uri | ObjectInfo) -> Front:
-        if isinstance(file, ObjectInfo):
-            known = None if known_front is None else await known_front(file)
-            if known is not None:
-                return Front(file, known)
-        uri = file.uri if isinstance(file, ObjectInfo) else file
+    async def front(uri: S3Uri) -> Front:
         async with gate:
             data, info = await client.get_start(uri, client.config.header_bytes)
             return Front(info, data)
@@ -135,12 +118,11 @@ async def _open(
                 code=error.code,
                 attempts=error.attempts,
             ) from None
-        if single and error.status == 404 and error.code != "NoSuchBucket" and isinstance(files[0], S3Uri):
+        if single and error.status == 404 and error.code != "NoSuchBucket":
             # s3://bucket/dir without the slash: a prefix, if it holds safetensors files.
-            uri = files[0]
-            if await _maybe_prefix(client, uri):
-                as_prefix = [S3Uri(uri.bucket, uri.key + "/")]
-                return await _open(client, as_prefix, single=True, known_front=known_front)
+            listed = await _maybe_prefix(client, files[0])
+            if listed:
+                return await _open(client, [S3Uri(files[0].bucket, files[0].key + "/")], single=True)
         raise
     resolved = ResolvedSource(
         paths=tuple(f.file.path for f in fronts), weight_map=weight_map, index_path=index_path
@@ -148,18 +130,17 @@ async def _open(
     return Opened(resolved, tuple(fronts))
 
 
-async def _list_prefix(client: S3Client, prefix: S3Uri) -> list[ObjectInfo]:
-    listed = await client.list_objects(prefix.bucket, prefix.key)
-    found = [info for info in listed if info.uri.key.endswith(_SUFFIX)]
-    if not found:
+async def _list_prefix(client: S3Client, prefix: S3Uri) -> list[S3Uri]:
+    keys = [k for k in await client.list_keys(prefix.bucket, prefix.key) if k.endswith(_SUFFIX)]
+    if not keys:
         raise S3SourceError(
             "no *.safetensors object directly under this prefix", bucket=prefix.bucket, key=prefix.key
         )
-    return found
+    return [S3Uri(prefix.bucket, k) for k in keys]
 
 
 async def _maybe_prefix(client: S3Client, uri: S3Uri) -> bool:
     if uri.key.endswith(_SUFFIX) or uri.key.endswith(INDEX_SUFFIX):
         return False
-    listed = await client.list_objects(uri.bucket, uri.key + "/")
-    return any(info.uri.key.endswith(_SUFFIX) for info in listed)
+    keys = await client.list_keys(uri.bucket, uri.key + "/")
+    return any(k.endswith(_SUFFIX) for k in keys)
