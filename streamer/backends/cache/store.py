@@ -122,21 +122,10 @@ class ChunkStore:
     def _path(self, ident: str, index: int) -> str:
         return os.path.join(self._root, ident, f"{index}{_SUFFIX}")
 
-    def read_into(
-        self,
-        ident: str,
-        index: int,
-        offset: int,
-        length: int,
-        low: int,
-        out: memoryview,
-        *,
-        discard: bool = True,
-    ) -> bool:
+    def read_into(self, ident: str, index: int, offset: int, length: int, low: int, out: memoryview) -> bool:
         """Fills ``out`` with the object's bytes ``[low, low + len(out))`` from chunk ``index``
         (object bytes ``[offset, offset + length)``), every piece under them checked; False when
-        the chunk is not cached or fails a check (it is then deleted and counted, unless not
-        ``discard``: left for the run that reads it to find; ``out`` may hold junk)."""
+        the chunk is not cached or fails a check (it is then deleted, and ``out`` may hold junk)."""
         path = self._path(ident, index)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -152,8 +141,6 @@ class ChunkStore:
             with contextlib.suppress(OSError):
                 os.utime(path)  # LRU: most recently used
             return True
-        if not discard:
-            return False
         try:
             os.unlink(path)  # whoever removes it counts it (two readers of one bad chunk: one error)
         except OSError:
