@@ -296,6 +296,26 @@ def test_closing_mid_load_ends_a_wait_for_another_process_fill(
     assert thread_count() <= threads and fd_count() <= fds
 
 
+def test_no_memory_for_a_chunk_buffer_fails_the_load_naming_the_object(
+    s3_server: str, model: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shared buffer of a chunk that blocks straddle cannot be mapped (ENOMEM): the load
+    ends with an S3Error naming the object, not a hang, and leaves no cache thread behind."""
+
+    class NoMemory(cache_feed.ChunkBuffer):
+        def __init__(self, capacity: int) -> None:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(cache_feed, "ChunkBuffer", NoMemory)
+    with pytest.raises(streamer.S3Error) as caught:
+        load(prefix(s3_server), cfg(s3_server, tmp_path))
+    assert "model/" in str(caught.value) and "Cannot allocate memory" in str(caught.value)
+    until = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name.startswith("streamer-cache")]:
+        assert time.monotonic() < until, "cache threads left behind"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("block_size", [48 * KiB, CHUNK], ids=["shared-chunks", "whole-chunks"])
 def test_an_object_vanishing_mid_fill_fails_the_load_naming_it(
     s3_server: str, s3: Any, model: Written, tmp_path: Path, block_size: int

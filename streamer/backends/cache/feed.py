@@ -66,7 +66,19 @@ class _Fetch:
     """One chunk fetched by this run, into the one block's memory that holds it whole
     (``target``) or into a shared ``chunk`` buffer whose parts the ``waiters`` copy."""
 
-    __slots__ = ("cached", "chunk", "fetched", "first", "key", "last", "lock", "target", "users", "waiters")
+    __slots__ = (
+        "cached",
+        "chunk",
+        "fetched",
+        "first",
+        "key",
+        "last",
+        "lock",
+        "slot",
+        "target",
+        "users",
+        "waiters",
+    )
 
     def __init__(self, key: tuple[int, int], first: int, last: int, target: memoryview | None) -> None:
         self.key = key  # (engine file, chunk index)
@@ -74,6 +86,7 @@ class _Fetch:
         self.target = target
         self.chunk: ChunkBuffer | None = None
         self.lock: ChunkLock | None = None  # held while this run fills the chunk
+        self.slot = False  # holds one of the feed's fetch slots
         self.waiters: list[tuple[_Block, int, int]] = []  # (block, low, high): its object bytes here
         self.fetched = False  # shared chunk: landed, later blocks copy it at once
         self.cached = False  # landed from the cache: another process filled it meanwhile
@@ -210,16 +223,45 @@ class CacheFeed(ExternalFeed):
         while not self._fetch_slots.acquire(timeout=0.1):
             if self._closing.is_set():
                 return
-        ident, index = self._idents[fetch.key[0]], fetch.key[1]
-        lock = self._store.lock(ident, index, 0.0)
-        if lock is None and self._store.writable:
-            self._wait_pool.submit(self._wait_for_fill, fetch)
-        else:
-            self._begin(fetch, lock)
+        fetch.slot = True
+        try:
+            ident, index = self._idents[fetch.key[0]], fetch.key[1]
+            lock = self._store.lock(ident, index, 0.0)
+            if lock is None and self._store.writable:
+                self._wait_pool.submit(self._wait_for_fill, fetch)
+            else:
+                self._begin(fetch, lock)
+        except Exception as exc:  # no memory for a chunk buffer, or a bug: its blocks fail
+            self._abandon(fetch, exc)
 
     def _wait_for_fill(self, fetch: _Fetch) -> None:
-        ident, index = self._idents[fetch.key[0]], fetch.key[1]
-        self._begin(fetch, self._store.lock(ident, index, _FILL_WAIT, stop=self._closing))
+        try:
+            ident, index = self._idents[fetch.key[0]], fetch.key[1]
+            self._begin(fetch, self._store.lock(ident, index, _FILL_WAIT, stop=self._closing))
+        except Exception as exc:
+            self._abandon(fetch, exc)
+
+    def _abandon(self, fetch: _Fetch, exc: Exception) -> None:
+        """Ends a fetch that failed outside its GET: its slot and lock go back, its blocks fail
+        with a typed error naming the object and the bytes."""
+        self._release_slot(fetch)
+        self._unlock(fetch)
+        self._fetched(fetch, error=self._failure(fetch, exc))
+
+    def _failure(self, fetch: _Fetch, exc: Exception) -> S3Error:
+        info = self._objects[fetch.key[0]]
+        return S3Error(
+            f"cache: unexpected failure: {type(exc).__name__}: {exc}",
+            bucket=info.uri.bucket,
+            key=info.uri.key,
+            byte_range=(fetch.first, fetch.last),
+        )
+
+    def _release_slot(self, fetch: _Fetch) -> None:
+        with self._mutex:
+            held, fetch.slot = fetch.slot, False
+        if held:
+            self._fetch_slots.release()
 
     def _begin(self, fetch: _Fetch, lock: ChunkLock | None) -> None:
         """With the lock (or without, when the cache cannot hold it): the chunk from the cache
@@ -242,7 +284,7 @@ class CacheFeed(ExternalFeed):
                     self._idents[file], index, fetch.first, fetch.last - fetch.first, fetch.first, view
                 )
             if filled:
-                self._fetch_slots.release()
+                self._release_slot(fetch)
                 self._unlock(fetch)
                 self._fetched(fetch, cached=True)
                 return
@@ -260,7 +302,10 @@ class CacheFeed(ExternalFeed):
         try:
             while True:
                 fetch = await self._fetches.get()
-                await self._fetch(connection, fetch)
+                try:
+                    await self._fetch(connection, fetch)
+                except Exception as exc:  # a bug must still end the run, never stop this task
+                    self._abandon(fetch, exc)
         finally:
             connection.close()
 
@@ -276,13 +321,8 @@ class CacheFeed(ExternalFeed):
             except S3Error as failure:
                 error = failure
             except Exception as exc:  # a bug must still end the run, never hang it
-                error = S3Error(
-                    f"cache: unexpected failure: {type(exc).__name__}: {exc}",
-                    bucket=info.uri.bucket,
-                    key=info.uri.key,
-                    byte_range=(fetch.first, fetch.last),
-                )
-        self._fetch_slots.release()
+                error = self._failure(fetch, exc)
+        self._release_slot(fetch)
         if error is not None:
             self._unlock(fetch)
             self._fetched(fetch, error=error)
@@ -376,9 +416,12 @@ class CacheFeed(ExternalFeed):
             view.release()
 
     def _forget(self, fetch: _Fetch) -> None:
+        """Drops a shared fetch (later blocks find its chunk on disk, or fetch it again) and its
+        own use of its buffer; once only."""
         with self._mutex:
-            if self._shared.get(fetch.key) is fetch:
-                del self._shared[fetch.key]
+            if self._shared.get(fetch.key) is not fetch:
+                return
+            del self._shared[fetch.key]
         self._release_buffer(fetch)
 
     def _release_buffer(self, fetch: _Fetch) -> None:
