@@ -296,6 +296,33 @@ def test_closing_mid_load_ends_a_wait_for_another_process_fill(
     assert thread_count() <= threads and fd_count() <= fds
 
 
+def test_a_wait_for_another_process_fill_ends_at_the_load_deadline(
+    s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    """Another process holds a missing chunk's lock and never finishes: a load with a 2 s
+    ``load_deadline`` fails naming the deadline, long before the 60 s fill wait."""
+    load(prefix(s3_server), cfg(s3_server, tmp_path))
+    victim = next(p for p in chunk_files(tmp_path) if p.name == "0.chunk")
+    victim.unlink()
+    config = cfg(s3_server, tmp_path)
+    config = StreamerConfig(
+        concurrency=config.concurrency,
+        block_size=config.block_size,
+        s3=loopback_s3_config(s3_server, CREDENTIALS, concurrency=4, load_deadline=2.0),
+        cache=config.cache,
+    )
+    other = os.open(victim.with_name("0.lock"), os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        started = time.monotonic()
+        with pytest.raises(streamer.S3Error) as caught:
+            load(prefix(s3_server), config)
+        assert time.monotonic() - started < cache_feed._FILL_WAIT / 2
+    finally:
+        os.close(other)
+    assert "deadline" in str(caught.value)
+
+
 def test_no_memory_for_a_chunk_buffer_fails_the_load_naming_the_object(
     s3_server: str, model: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

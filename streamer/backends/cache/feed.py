@@ -235,9 +235,14 @@ class CacheFeed(ExternalFeed):
             self._abandon(fetch, exc)
 
     def _wait_for_fill(self, fetch: _Fetch) -> None:
+        """Waits for another process's fill of the chunk, up to ``_FILL_WAIT`` seconds or the
+        load deadline, then takes it from the cache or fetches it."""
+        wait = _FILL_WAIT
+        if self._until is not None:
+            wait = max(0.0, min(wait, self._until - time.monotonic()))
         try:
             ident, index = self._idents[fetch.key[0]], fetch.key[1]
-            self._begin(fetch, self._store.lock(ident, index, _FILL_WAIT, stop=self._closing))
+            self._begin(fetch, self._store.lock(ident, index, wait, stop=self._closing))
         except Exception as exc:
             self._abandon(fetch, exc)
 
