@@ -291,7 +291,7 @@ def test_closing_mid_load_ends_a_wait_for_another_process_fill(
     finally:
         os.close(other)
     until = time.monotonic() + 5
-    while thread_count() > threads and time.monotonic() < until:
+    while (thread_count() > threads or fd_count() > fds) and time.monotonic() < until:
         time.sleep(0.05)
     assert thread_count() <= threads and fd_count() <= fds
 

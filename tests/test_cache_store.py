@@ -8,6 +8,7 @@ from __future__ import annotations
 import mmap
 import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,19 @@ def test_a_chunk_written_from_unaligned_memory_reads_back(tmp_path: Path) -> Non
         assert store.write(IDENT, 3, OFFSET, unaligned, PIECE)
     out = memoryview(bytearray(len(data)))
     assert store.read_into(IDENT, 3, OFFSET, len(data), OFFSET, out) and out == data
+
+
+def test_writers_at_once_never_leave_the_directory_over_max_bytes(tmp_path: Path) -> None:
+    """Eight threads write 160 small chunks into a store bounded at four: however their renames
+    and evictions interleave, what is left on disk holds at most ``max_bytes``."""
+    data = memoryview(chunk_data(64 << 10))
+    limit = 4 * (HEAD_BYTES + len(data))
+    store = ChunkStore(str(tmp_path), limit)
+
+    def write(number: int) -> None:
+        assert store.write(f"ident{number % 3}", number, number * len(data), data, PIECE)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, range(160)))
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("v2/*/*.chunk"))
+    assert 0 < on_disk <= limit

@@ -42,6 +42,14 @@ def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, s
     return env | extra
 
 
+# ``streamer.bench.child``, with the working directory taken off the path first: ``-m`` would put
+# it there, and from a checkout's root that is the source tree (no built engine), not the
+# streamer ``child_env`` chose.
+_RUN_CHILD = (
+    "import sys; del sys.path[0]; from streamer.bench.child import main; raise SystemExit(main(sys.argv))"
+)
+
+
 def call_child(
     request: dict[str, Any],
     env: dict[str, str] | None = None,
@@ -52,7 +60,7 @@ def call_child(
     returns its result object."""
     try:
         proc = subprocess.run(
-            [python or sys.executable, "-m", "streamer.bench.child", json.dumps(request)],
+            [python or sys.executable, "-c", _RUN_CHILD, json.dumps(request)],
             capture_output=True,
             text=True,
             env=env or child_env({}),

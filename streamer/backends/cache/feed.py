@@ -249,8 +249,8 @@ class CacheFeed(ExternalFeed):
     def _abandon(self, fetch: _Fetch, exc: Exception) -> None:
         """Ends a fetch that failed outside its GET: its slot and lock go back, its blocks fail
         with a typed error naming the object and the bytes."""
-        self._release_slot(fetch)
         self._unlock(fetch)
+        self._release_slot(fetch)
         self._fetched(fetch, error=self._failure(fetch, exc))
 
     def _failure(self, fetch: _Fetch, exc: Exception) -> S3Error:
@@ -289,8 +289,8 @@ class CacheFeed(ExternalFeed):
                     self._idents[file], index, fetch.first, fetch.last - fetch.first, fetch.first, view
                 )
             if filled:
-                self._release_slot(fetch)
                 self._unlock(fetch)
+                self._release_slot(fetch)
                 self._fetched(fetch, cached=True)
                 return
         self._client.loop.call_soon_threadsafe(self._queue_fetch, fetch)
@@ -327,16 +327,20 @@ class CacheFeed(ExternalFeed):
                 error = failure
             except Exception as exc:  # a bug must still end the run, never hang it
                 error = self._failure(fetch, exc)
-        self._release_slot(fetch)
+        # The fetch slot goes back once the lock has (or the writer holds it): the locks held stay
+        # within the fetch slots plus the write slots.
         if error is not None:
             self._unlock(fetch)
+            self._release_slot(fetch)
             self._fetched(fetch, error=error)
         elif fetch.lock is not None and self._write_slots.acquire(blocking=False):
+            self._release_slot(fetch)
             self._write_pool.submit(self._write, fetch)
         else:
             if fetch.lock is not None:  # every slot busy: the disk is behind, not cached
                 self._count("cache_dropped", 1)
                 self._unlock(fetch)
+            self._release_slot(fetch)
             self._fetched(fetch)
 
     # --- landing (writer threads, or wherever a fetch ends) ------------------------------

@@ -105,6 +105,7 @@ class ChunkStore:
         self._root = os.path.join(root, "v2")
         self._max_bytes = max_bytes
         self._mutex = threading.Lock()
+        self._landing = threading.Lock()  # chunks renamed into place and evictions, one at a time
         self._writable = True
         self._direct = hasattr(os, "O_DIRECT")
         self._warned = False
@@ -278,17 +279,16 @@ class ChunkStore:
                 _write_all(fd, data[done:], HEAD_BYTES + done)
             finally:
                 os.close(fd)
-            os.replace(temporary, path)
+            with self._landing:
+                os.replace(temporary, path)
+                self._used += HEAD_BYTES + length
+                if self._used > self._max_bytes:
+                    self._evict()
         except OSError as error:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             self._disable(error)
             return False
-        with self._mutex:
-            self._used += HEAD_BYTES + length
-            over = self._used > self._max_bytes
-        if over:
-            self.evict()
         return True
 
     def _write_direct(self, fd: int, data: memoryview, position: int) -> int:
@@ -304,8 +304,10 @@ class ChunkStore:
             os.close(direct_fd)
         return aligned
 
-    def evict(self) -> None:
-        """Deletes the least recently used chunks until the directory holds at most ``max_bytes``."""
+    def _evict(self) -> None:
+        """Deletes the least recently used chunks until the directory holds at most ``max_bytes``.
+        Called with ``_landing`` held: a chunk renamed into place during the scan would be
+        neither seen nor counted, and the directory would outgrow the bound."""
         chunks = sorted((mtime, size, path) for path, size, mtime in self._chunks())
         used = sum(size for _, size, _ in chunks)
         for _, size, path in chunks:
@@ -314,8 +316,7 @@ class ChunkStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             used -= size
-        with self._mutex:
-            self._used = used
+        self._used = used
 
     def _scan(self) -> int:
         """Bytes cached now; removes temporary files of processes that no longer run (kill -9)."""
