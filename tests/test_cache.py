@@ -9,6 +9,8 @@ no cache with one warning; nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -19,6 +21,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +273,20 @@ def test_a_fill_holds_a_chunk_lock_per_fetch_in_flight_or_write_only(
     assert 1 <= most <= 4 + 4 and held == 0
 
 
+@contextlib.contextmanager
+def a_fill_held_elsewhere(cache_dir: Path) -> Iterator[None]:
+    """A shard's chunk 0 (under its first blocks) missing, and its lock held as another process
+    filling it would hold it."""
+    victim = next(p for p in chunk_files(cache_dir) if p.name == "0.chunk")
+    victim.unlink()
+    other = os.open(victim.with_name("0.lock"), os.O_RDWR)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(other)
+
+
 def test_closing_mid_load_ends_a_wait_for_another_process_fill(
     s3_server: str, model: Written, tmp_path: Path
 ) -> None:
@@ -278,18 +295,12 @@ def test_closing_mid_load_ends_a_wait_for_another_process_fill(
     descriptor left behind."""
     config = cfg(s3_server, tmp_path)
     load(prefix(s3_server), config)
-    victim = next(p for p in chunk_files(tmp_path) if p.name == "0.chunk")  # a shard's first blocks
-    victim.unlink()
     threads, fds = thread_count(), fd_count()
-    other = os.open(victim.with_name(victim.name.replace(".chunk", ".lock")), os.O_RDWR)
-    try:
-        fcntl.flock(other, fcntl.LOCK_EX)
+    with a_fill_held_elsewhere(tmp_path):
         started = time.monotonic()
         with streamer.open(prefix(s3_server), config=config) as handle:
             next(iter(handle))
         assert time.monotonic() - started < cache_feed._FILL_WAIT / 2
-    finally:
-        os.close(other)
     until = time.monotonic() + 5
     while (thread_count() > threads or fd_count() > fds) and time.monotonic() < until:
         time.sleep(0.05)
@@ -302,24 +313,13 @@ def test_a_wait_for_another_process_fill_ends_at_the_load_deadline(
     """Another process holds a missing chunk's lock and never finishes: a load with a 2 s
     ``load_deadline`` fails naming the deadline, long before the 60 s fill wait."""
     load(prefix(s3_server), cfg(s3_server, tmp_path))
-    victim = next(p for p in chunk_files(tmp_path) if p.name == "0.chunk")
-    victim.unlink()
-    config = cfg(s3_server, tmp_path)
-    config = StreamerConfig(
-        concurrency=config.concurrency,
-        block_size=config.block_size,
-        s3=loopback_s3_config(s3_server, CREDENTIALS, concurrency=4, load_deadline=2.0),
-        cache=config.cache,
-    )
-    other = os.open(victim.with_name("0.lock"), os.O_RDWR)
-    try:
-        fcntl.flock(other, fcntl.LOCK_EX)
+    s3 = loopback_s3_config(s3_server, CREDENTIALS, concurrency=4, load_deadline=2.0)
+    config = dataclasses.replace(cfg(s3_server, tmp_path), s3=s3)
+    with a_fill_held_elsewhere(tmp_path):
         started = time.monotonic()
         with pytest.raises(streamer.S3Error) as caught:
             load(prefix(s3_server), config)
         assert time.monotonic() - started < cache_feed._FILL_WAIT / 2
-    finally:
-        os.close(other)
     assert "deadline" in str(caught.value)
 
 
