@@ -302,7 +302,7 @@ def _baseline_problem(python: str) -> str | None:
     """Why ``python`` cannot run the baseline's child (None: it can)."""
     try:
         proc = subprocess.run(
-            [python, "-c", "import streamer.bench.child"],
+            [python, "-c", runner.CWD_OFF_PATH + "import streamer.bench.child"],
             capture_output=True,
             text=True,
             env=runner.child_env({}, own_package=False),

@@ -42,12 +42,11 @@ def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, s
     return env | extra
 
 
-# ``streamer.bench.child``, with the working directory taken off the path first: ``-m`` would put
-# it there, and from a checkout's root that is the source tree (no built engine), not the
-# streamer ``child_env`` chose.
-_RUN_CHILD = (
-    "import sys; del sys.path[0]; from streamer.bench.child import main; raise SystemExit(main(sys.argv))"
-)
+# The start of every ``python -c`` a child runs: the working directory off the path (``-m`` and
+# ``-c`` put it first, and from a checkout's root that is the source tree, with no built engine,
+# not the streamer ``child_env`` chose).
+CWD_OFF_PATH = "import sys; del sys.path[0]; "
+_RUN_CHILD = CWD_OFF_PATH + "from streamer.bench.child import main; raise SystemExit(main(sys.argv))"
 
 
 def call_child(
