@@ -25,7 +25,16 @@ from hostile_s3 import Answer, Fault, HostileS3, Plan, Request, Version, error, 
 from tls_relay import TlsRelay
 
 import streamer
-from streamer import ConfigError, HeaderError, S3Config, S3Error, S3SourceError, StreamerConfig, StreamerError
+from streamer import (
+    CacheConfig,
+    ConfigError,
+    HeaderError,
+    S3Config,
+    S3Error,
+    S3SourceError,
+    StreamerConfig,
+    StreamerError,
+)
 
 pytest.importorskip("aiobotocore")
 
@@ -63,7 +72,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     return Checkpoint(data, replaced, safetensors.torch.load_file(path / "a.safetensors"))
 
 
-def config(endpoint: str, **overrides: Any) -> StreamerConfig:
+def config(endpoint: str, cache: Path | None = None, **overrides: Any) -> StreamerConfig:
     values: dict[str, Any] = {
         "concurrency": 2,
         "max_attempts": 3,
@@ -74,7 +83,8 @@ def config(endpoint: str, **overrides: Any) -> StreamerConfig:
     }
     values.update(overrides)
     s3 = loopback_s3_config(endpoint, (ACCESS_KEY, SECRET_KEY, TOKEN), **values)
-    return StreamerConfig(concurrency=2, block_size=64 * KiB, s3=s3)
+    cached = CacheConfig() if cache is None else CacheConfig(dir=str(cache), chunk_bytes=64 * KiB)
+    return StreamerConfig(concurrency=2, block_size=64 * KiB, s3=s3, cache=cached)
 
 
 # --- faults -------------------------------------------------------------------------------------
@@ -320,6 +330,7 @@ def run(
     *,
     tls: Path | None = None,
     uri: str = URI,
+    cache: Path | None = None,
 ) -> HostileS3:
     """Loads ``uri`` from a hostile server with ``case``'s plan and checks the outcome and what is
     left behind; returns the (closed) server for its request log."""
@@ -333,7 +344,7 @@ def run(
     endpoint = relay.endpoint_url if relay is not None else server.endpoint_url
     failure: BaseException | None = None
     try:
-        got = streamer.load(uri, config=config(endpoint, **(case.overrides or {})))
+        got = streamer.load(uri, config=config(endpoint, cache, **(case.overrides or {})))
     except StreamerError as exc:
         failure = exc
     finally:
@@ -467,6 +478,21 @@ def test_hostile_server(
     name: str, checkpoint: Checkpoint, warm: None, caplog: pytest.LogCaptureFixture, deadline: Any
 ) -> None:
     run(CASES[name], checkpoint, caplog, deadline)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hostile_server_through_the_cache(
+    name: str,
+    checkpoint: Checkpoint,
+    warm: None,
+    caplog: pytest.LogCaptureFixture,
+    deadline: Any,
+    tmp_path: Path,
+) -> None:
+    """The same cases with an empty node cache on: every chunk goes through the cache feed's
+    fetches (64 KiB chunks, as large as the blocks), with the same outcome and nothing left
+    behind."""
+    run(CASES[name], checkpoint, caplog, deadline, cache=tmp_path / "cache")
 
 
 def test_a_retry_resumes_after_the_verified_prefix(
