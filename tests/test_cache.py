@@ -444,7 +444,8 @@ def test_eviction_keeps_max_bytes(s3_server: str, model: Written, tmp_path: Path
     got, _ = load(prefix(s3_server), cfg(s3_server, tmp_path, max_bytes=limit))
     assert_same_dict(got, reference_load(model.shards))
     stored = chunk_files(tmp_path)
-    assert 0 < len(stored) <= 4
+    # 3 whole chunks fit, or more with a shard's short last chunks among them: the bound is bytes
+    assert 0 < len(stored) < chunks_of(model)
     assert sum(p.stat().st_size for p in stored) <= limit
     got, _ = load(prefix(s3_server), cfg(s3_server, tmp_path, max_bytes=limit))
     assert_same_dict(got, reference_load(model.shards))
