@@ -41,6 +41,7 @@ from typing import Any
 from streamer.bench import runner, stats
 from streamer.bench.units import nonnegative_seconds
 
+CACHE_COUNTERS = ("cache_hit_bytes", "cache_miss_bytes", "cache_write_bytes")
 SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")
 RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
     ("local cold", "hit cold", "hit faster than local files"),
@@ -98,6 +99,23 @@ def request(loader: str, source: str, files: list[str], cache: str | None) -> di
     }
 
 
+def setting_request(
+    setting: str, args: argparse.Namespace, local_files: list[str], full: Path, filling: Path
+) -> tuple[dict[str, Any], Path | None]:
+    """The child's request for one run of ``setting``, and the cache directory it runs with."""
+    if setting == "local cold":
+        return request("streamer", str(args.local), local_files, "cold"), None
+    if setting == "hit cold":
+        return request("streamer", args.source, chunk_files(full), "cold"), full
+    if setting == "fill":
+        shutil.rmtree(filling, ignore_errors=True)
+        return request("streamer", args.source, [], None), filling
+    if setting == "no cache":
+        return request("streamer", args.source, [], None), None
+    remote_files = [args.source.rstrip("/") + "/" + Path(p).name for p in local_files]
+    return request("runai", args.source, remote_files, None), None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -121,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     local_files = sorted(str(p) for p in args.local.glob("*.safetensors"))
-    remote_files = [args.source.rstrip("/") + "/" + Path(p).name for p in local_files]
     full, filling = args.work / "full", args.work / "filling"
     shutil.rmtree(args.work, ignore_errors=True)
     settings = list(args.settings)
@@ -137,45 +154,40 @@ def main(argv: list[str] | None = None) -> int:
     seconds: dict[str, dict[int, float]] = {s: {} for s in settings}
     run_seconds: dict[str, dict[int, float]] = {s: {} for s in settings if s != "runai s3"}
     records: list[dict[str, Any]] = []
-    for round_number in range(args.repeat):
-        for setting in runner.round_order(settings, round_number):
-            cache_dir: Path | None = None
-            if setting == "local cold":
-                req = request("streamer", str(args.local), local_files, "cold")
-            elif setting == "hit cold":
-                cache_dir = full
-                req = request("streamer", args.source, chunk_files(full), "cold")
-            elif setting == "fill":
-                shutil.rmtree(filling, ignore_errors=True)
-                cache_dir = filling
-                req = request("streamer", args.source, [], None)
-            elif setting == "no cache":
-                req = request("streamer", args.source, [], None)
-            else:
-                req = request("runai", args.source, remote_files, None)
-            time.sleep(args.settle)
-            result = run_child(req, cache_dir)
-            seconds[setting][round_number] = result["seconds"]
-            metrics = result.get("metrics") or {}
-            if setting in run_seconds:
-                run_seconds[setting][round_number] = metrics["seconds"]
-            cached = {k: metrics.get(k) for k in ("cache_hit_bytes", "cache_miss_bytes", "cache_write_bytes")}
-            records.append({"round": round_number, "setting": setting, **result})
-            print(
-                f"round {round_number} {setting:>10}: {result['seconds']:7.3f} s "
-                f"{result['bytes'] / result['seconds'] / 1e9:5.2f} GB/s cpu {result['cpu_seconds']:.2f} s "
-                f"faults {result['minor_faults']} {cached if cache_dir else ''}",
-                flush=True,
-            )
-    shutil.rmtree(args.work, ignore_errors=True)
+    stopped: runner.Interrupted | None = None
+    try:
+        with runner.stopping_on_signals():
+            for round_number in range(args.repeat):
+                for setting in runner.round_order(settings, round_number):
+                    req, cache_dir = setting_request(setting, args, local_files, full, filling)
+                    time.sleep(args.settle)
+                    result = run_child(req, cache_dir)
+                    seconds[setting][round_number] = result["seconds"]
+                    metrics = result.get("metrics") or {}
+                    if setting in run_seconds:
+                        run_seconds[setting][round_number] = metrics["seconds"]
+                    cached = {k: metrics.get(k) for k in CACHE_COUNTERS}
+                    records.append({"round": round_number, "setting": setting, **result})
+                    print(
+                        f"round {round_number} {setting:>10}: {result['seconds']:7.3f} s "
+                        f"{result['bytes'] / result['seconds'] / 1e9:5.2f} GB/s "
+                        f"cpu {result['cpu_seconds']:.2f} s "
+                        f"faults {result['minor_faults']} {cached if cache_dir else ''}",
+                        flush=True,
+                    )
+    except runner.Interrupted as stop:
+        stopped = stop
+        print(f"{stop.signal}: stopped; figures from the runs that finished", flush=True)
+    finally:
+        shutil.rmtree(args.work, ignore_errors=True)
 
     print(
         "\nmedian seconds: "
-        + ", ".join(f"{s} {statistics.median(seconds[s].values()):.3f}" for s in settings)
+        + ", ".join(f"{s} {statistics.median(seconds[s].values()):.3f}" for s in settings if seconds[s])
     )
     print(
         "median run seconds (the S3 session left out): "
-        + ", ".join(f"{s} {statistics.median(run_seconds[s].values()):.3f}" for s in run_seconds)
+        + ", ".join(f"{s} {statistics.median(t.values()):.3f}" for s, t in run_seconds.items() if t)
     )
     verdicts = []
     for clock, times, ratios in (("load", seconds, RATIOS), ("run", run_seconds, RATIOS[:2])):
@@ -193,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"({paired.verdict}; above 1: {meaning})"
             )
     if args.json is not None:
-        args.json.write_text(json.dumps({"runs": records, "ratios": verdicts}, indent=1))
-    return 0
+        interrupted = stopped.signal if stopped else None
+        args.json.write_text(
+            json.dumps({"runs": records, "ratios": verdicts, "interrupted": interrupted}, indent=1)
+        )
+    return stopped.exit_status if stopped else 0
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -280,6 +282,61 @@ def test_baseline_runs_beside_streamer_and_is_paired_like_a_peer(tmp_path: Path)
     (comparison,) = section["comparisons"]
     assert comparison["loader"] == "baseline" and comparison["rounds"] == 2
     assert done["json"]["options"]["baseline"] == sys.executable
+
+
+def _processes_naming(marker: str) -> list[int]:
+    """Live processes whose command line holds ``marker`` (a run's children name its files)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # gone meanwhile
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_run_cut_by_a_signal_reports_the_runs_that_finished(tmp_path: Path, signum: int) -> None:
+    """Ctrl-C or ``timeout`` mid-run: the child in flight is killed, the finished runs are
+    reported and written (marked interrupted), and the exit status is the signal's."""
+    keep = tmp_path / "keep"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "streamer.bench", "--synthetic", "2MiB", "--keep", str(keep)),
+            *("--loaders", "streamer,safetensors", "--safetensors-backends", "mmap", "--warm"),
+            *("--repeat", "100", "--no-ceilings", "--settle", "0", "--json", str(tmp_path / "out.json")),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=BENCH_ENV,
+        cwd=tempfile.gettempdir(),
+    )
+    assert proc.stderr is not None
+    try:
+        for line in proc.stderr:
+            if "[warm 3/200]" in line:
+                break
+        else:
+            pytest.fail("the run ended before its third load")
+        proc.send_signal(signum)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, stderr
+    name = signal.Signals(signum).name
+    assert f"INTERRUPTED by {name} during the warm runs" in stdout
+    assert "== warm cache" in stdout and any(line.startswith("streamer") for line in stdout.splitlines())
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["interrupted"] == {"signal": name, "during": "warm runs"}
+    (section,) = doc["sections"]
+    runs = [r for result in section["results"] for r in result["runs"]]
+    assert 3 <= len(runs) < 200 and all(r["valid"] for r in runs)  # the killed child left no run
+    assert _processes_naming(str(keep)) == []
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(doc, json.loads(report.SCHEMA_PATH.read_text()), cls=jsonschema.Draft202012Validator)
 
 
 def test_bad_arguments_exit_2_from_the_command_line() -> None:

@@ -473,44 +473,72 @@ def run_sections(
     checkpoint: Checkpoint,
     planned: list[tuple[Setting, list[str]]],
     progress: Progress,
-) -> list[dict[str, Any]]:
-    sections = []
+    sections: list[dict[str, Any]],
+) -> None:
+    """Appends one section per cache state to ``sections``; on ``runner.Interrupted`` the state
+    in progress is appended with the runs it finished before the exception goes on."""
     for state in args.states:
         found: list[ceilings.Ceiling] = []
-        if args.ceilings and state != "remote":
-
-            def prepare(state: str = state) -> None:
-                if state == "cold" and cache.make_cold(checkpoint.files):
-                    raise cache.CacheStateError("eviction left pages resident")
-                if state == "warm" and cache.make_warm(checkpoint.files):
-                    raise cache.CacheStateError("files could not be fully cached")
-
-            modes = ("buffered", "direct") if state == "cold" else ("buffered",)
-            found = ceilings.storage_ceilings(
-                checkpoint.files,
-                state,
-                prepare,
-                modes=modes,
-                use_fio=args.fio,
-                repeat=args.ceiling_repeat,
-                progress=progress,
-            )
         configs = [runner.Config(setting, files, checkpoint.source) for setting, files in planned]
-        runner.run_section(
-            configs,
-            state,
-            args.repeat,
-            device=args.device,
-            streamer_api=args.streamer_api,
-            timeout=args.timeout,
-            progress=progress,
-            clock=args.clock,
-            settle=args.settle,
-        )
-        if args.ceilings and state == "remote":
-            found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])
+        try:
+            if args.ceilings and state != "remote":
+
+                def prepare(state: str = state) -> None:
+                    if state == "cold" and cache.make_cold(checkpoint.files):
+                        raise cache.CacheStateError("eviction left pages resident")
+                    if state == "warm" and cache.make_warm(checkpoint.files):
+                        raise cache.CacheStateError("files could not be fully cached")
+
+                modes = ("buffered", "direct") if state == "cold" else ("buffered",)
+                found = ceilings.storage_ceilings(
+                    checkpoint.files,
+                    state,
+                    prepare,
+                    modes=modes,
+                    use_fio=args.fio,
+                    repeat=args.ceiling_repeat,
+                    progress=progress,
+                )
+            runner.run_section(
+                configs,
+                state,
+                args.repeat,
+                device=args.device,
+                streamer_api=args.streamer_api,
+                timeout=args.timeout,
+                progress=progress,
+                clock=args.clock,
+                settle=args.settle,
+            )
+            if args.ceilings and state == "remote":
+                found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])
+        except runner.Interrupted as stop:
+            stop.during = f"{state} runs"
+            if any(c.runs for c in configs):
+                sections.append(report.section(state, configs, found))
+            raise
         sections.append(report.section(state, configs, found))
-    return sections
+
+
+def measure(
+    args: argparse.Namespace,
+    checkpoint: Checkpoint,
+    planned: list[tuple[Setting, list[str]]],
+    probed: dict[str, Any],
+    progress: Progress,
+) -> tuple[list[dict[str, Any]], list[ceilings.Ceiling], runner.Interrupted | None]:
+    """Every section's runs, then the memory ceilings; what was measured before a SIGINT or SIGTERM
+    (and which signal), if one came."""
+    sections: list[dict[str, Any]] = []
+    memory: list[ceilings.Ceiling] = []
+    try:
+        with runner.stopping_on_signals():
+            run_sections(args, checkpoint, planned, progress, sections)
+            memory = memory_ceilings(args, checkpoint, probed, progress)
+    except runner.Interrupted as stop:
+        progress(f"{stop.signal}: stopped; reporting the runs that finished")
+        return sections, memory, stop
+    return sections, memory, None
 
 
 def memory_ceilings(
@@ -622,9 +650,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         planned, skipped = plan(args, checkpoint, probed, workdir, progress)
         for s in skipped:
             progress(f"skipping {s['loader']}: {s['reason']}")
-        sections = run_sections(args, checkpoint, planned, progress)
-        memory = memory_ceilings(args, checkpoint, probed, progress)
+        sections, memory, stopped = measure(args, checkpoint, planned, probed, progress)
         doc = document(args, argv, checkpoint, synthetic_info, probed, skipped, sections, memory)
+        if stopped is not None:
+            doc["interrupted"] = {"signal": stopped.signal, "during": stopped.during}
     print(report.render(doc))
     if args.json is not None:
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
@@ -634,5 +663,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         plot(doc, args.plot)
         progress(f"wrote {args.plot}")
+    if stopped is not None:
+        return stopped.exit_status
     measured = any(r["status"] == "ok" for sec in sections for r in sec["results"])
     return 0 if measured or not planned else 1

@@ -219,6 +219,12 @@ def render(document: dict[str, Any]) -> str:
         f"interleaved; each run in a fresh process{settled if settle else ''}",
         f"source: {ck['source']} ({where})",
     ]
+    stopped = document.get("interrupted")
+    if stopped:
+        out.append(
+            f"INTERRUPTED by {stopped['signal']} during the {stopped['during']}: "
+            "every figure below comes from the runs that finished before it"
+        )
     for sec in document["sections"]:
         out += ["", _STATES[sec["cache"]], *_table([_row(r) for r in sec["results"]])]
         if sec["best"]:

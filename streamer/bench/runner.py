@@ -3,13 +3,16 @@ it claims was reached and verified ("remote" for S3 sources: nothing on this mac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +29,38 @@ T = TypeVar("T")
 
 class ChildFailed(Exception):
     """The child exited without a result line (crash, kill, timeout)."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived mid-run: the caller reports the runs that finished."""
+
+    def __init__(self, signum: int) -> None:
+        self.signal = signal.Signals(signum).name
+        self.exit_status = 128 + signum  # what the shell reports for a process the signal ended
+        self.during = "memory ceilings"  # what it cut short; the run loop names its state
+        super().__init__(self.signal)
+
+
+@contextlib.contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """Within, the first SIGINT or SIGTERM raises ``Interrupted`` in the main thread, so a run cut
+    by Ctrl-C or ``timeout`` still reports what it measured; the child in flight is killed as the
+    exception passes through ``subprocess.run``. A second signal ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, str]:
