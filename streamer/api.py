@@ -300,7 +300,11 @@ class Streamer:
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
         staged = functools.partial(
-            StagedSink, staging, self.config, request_bytes=self._storage.read_cost.request_bytes
+            StagedSink,
+            staging,
+            self.config,
+            request_bytes=self._storage.read_cost.request_bytes,
+            reads_in_flight=self._storage.reads_in_flight(self.config),
         )
         return Run(self._checkpoint, refs, self.config, staged, ordered=ordered, storage=self._storage)
 
@@ -520,6 +524,12 @@ def _fill(
     refs = [checkpoint.tensors[name] for name in dest if checkpoint.tensors[name].entry.nbytes > 0]
     engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
     staging = Staging(device, engine, functools.partial(ExistingTensors, dest), rings)
-    staged = functools.partial(StagedSink, staging, config, request_bytes=storage.read_cost.request_bytes)
+    staged = functools.partial(
+        StagedSink,
+        staging,
+        config,
+        request_bytes=storage.read_cost.request_bytes,
+        reads_in_flight=storage.reads_in_flight(config),
+    )
     for _ in Run(checkpoint, refs, config, staged, ordered=False, storage=storage).results():
         pass

@@ -33,7 +33,9 @@ from conftest import (
 from copy_standin import StandIn
 
 import streamer
-from streamer import ConfigError, DeviceError, ReadError, SourceError, StreamerConfig
+from streamer import ConfigError, DeviceError, ReadError, S3Config, SourceError, StreamerConfig
+from streamer.backends.local import LocalStorage
+from streamer.backends.s3.storage import S3Storage
 from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.destinations.copy_engine import CudaCopyEngine
 from streamer.engine import native
@@ -100,8 +102,29 @@ def test_streaming_order_slot_reuse_and_limit(standin: StandIn, every_dtype: Wri
     standin.assert_clean()
 
 
+@pytest.mark.parametrize("concurrency", [2, 8])
+def test_without_a_limit_the_ring_holds_two_rounds_of_reads(
+    standin: StandIn, every_dtype: Written, concurrency: int
+) -> None:
+    """Every byte of the ring is first-touched or page-locked by the load, so by default it is only
+    as large as two rounds of the readers' blocks (1 GiB cut a 4 GiB load_into 2.4x here)."""
+    config = cfg(memory_limit=None, concurrency=concurrency)
+    with streamer.open(every_dtype.index, config=config) as s:
+        for name, tensor in s:
+            assert_same(tensor, every_dtype.tensors[name], name)
+        metrics = s.metrics
+    assert metrics["peak_buffer_bytes"] == 2 * concurrency * config.block_size
+    standin.assert_clean()
+
+
+def test_reads_in_flight_are_reader_blocks_locally_and_get_blocks_on_s3() -> None:
+    config = StreamerConfig(concurrency=3, block_size=KiB << 10, s3=S3Config(concurrency=5))
+    assert LocalStorage(config).reads_in_flight(config) == 3 << 20
+    assert S3Storage(config.s3).reads_in_flight(config) == 5 << 20
+
+
 def test_ring_larger_than_the_checkpoint_is_cut_to_size(standin: StandIn, every_dtype: Written) -> None:
-    with streamer.open(every_dtype.index, config=cfg(memory_limit=None)) as s:
+    with streamer.open(every_dtype.index, config=cfg(memory_limit=None, block_size=8 << 20)) as s:
         assert len(dict(iter(s))) == len(every_dtype.tensors)
         metrics = s.metrics
     read_span = sum(os.path.getsize(p) for p in every_dtype.shards) + 2 * DIRECT_IO_ALIGNMENT

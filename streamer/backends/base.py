@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
+from streamer.config import StreamerConfig
 from streamer.engine import native
 from streamer.errors import StreamerError
 from streamer.sources import ResolvedSource, SourceLike
@@ -123,6 +124,11 @@ class Storage(ABC):
     def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
         """The bytes of each range (all at once where the storage can); a range comes back short
         only when its file ended early."""
+
+    def reads_in_flight(self, config: StreamerConfig) -> int:
+        """The most bytes this storage's reads hold at once: ``s3.concurrency`` GETs of a block
+        (local files override it with their reader threads)."""
+        return config.s3.concurrency * config.block_size
 
     def read_cost_of(self, file: StoredFile, span: Span) -> ReadCost:
         """What one more request costs a run reading ``span`` of ``file`` (``read_cost`` unless the

@@ -47,6 +47,9 @@ class LocalStorage(Storage):
     def __init__(self, config: StreamerConfig) -> None:
         self._config = config
 
+    def reads_in_flight(self, config: StreamerConfig) -> int:
+        return config.concurrency * config.block_size
+
     def open(self, source: SourceLike) -> Opened:
         resolved = resolve(source)
         fronts = []

@@ -31,7 +31,11 @@ from streamer.run.driver import Submit
 from streamer.run.slots import CopyFailed, SlotTable
 from streamer.selection import Selection
 
-DEFAULT_RING_BYTES = 1 << 30  # reaches PCIe speed with room to spare; smaller checkpoints get less
+# Without a memory limit the ring holds two rounds of the storage's reads in flight, at most
+# 1 GiB: every reader has a slot while copies drain, and the ring is no larger than that,
+# because every byte of it is first-touched (or page-locked) by the load.
+RING_ROUNDS = 2
+MAX_DEFAULT_RING_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,10 @@ class StagedSink:
         metrics: LoadMetrics,
         *,
         request_bytes: int,
+        reads_in_flight: int,
     ) -> None:
         self._config = config
+        self._default_ring_bytes = min(MAX_DEFAULT_RING_BYTES, RING_ROUNDS * reads_in_flight)
         self._device = staging.device
         self._copy_engine: CopyEngine | None = staging.copy_engine
         self._rings = staging.rings
@@ -208,7 +214,7 @@ class StagedSink:
         self._destination = None
 
     def _ring_shape(self) -> tuple[int, int]:
-        limit = self._config.explicit_memory_limit or DEFAULT_RING_BYTES  # auto/unlimited: the default ring
+        limit = self._config.explicit_memory_limit or self._default_ring_bytes  # auto/unlimited
         if limit < DIRECT_IO_ALIGNMENT:
             raise ConfigError(
                 f"memory_limit {limit} is too small for a staged load: the ring needs at least "
