@@ -284,6 +284,28 @@ def test_baseline_runs_beside_streamer_and_is_paired_like_a_peer(tmp_path: Path)
     assert done["json"]["options"]["baseline"] == sys.executable
 
 
+def test_a_gpu_run_makes_the_cuda_context_before_its_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every loader's first CUDA call would otherwise time the context's creation as its load."""
+    import torch
+
+    from streamer.bench import child
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, device: calls.append(f"context {device}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(f"sync {device}"))
+    clock = iter([10.0, 20.0, 21.5, 30.0])
+    monkeypatch.setattr(child.time, "perf_counter", lambda: next(clock))
+
+    def prepare(request: dict[str, Any]) -> Any:
+        calls.append("prepared")
+        return lambda: calls.append("load") or child.Loaded({"w": torch.ones(2)})
+
+    monkeypatch.setitem(child.PREPARERS, "streamer", prepare)
+    result = child.time_load({"loader": "streamer", "device": "cuda:1", "files": [], "cache": None})
+    assert calls == ["prepared", "context cuda:1", "sync cuda:1", "load", "sync cuda:1"]
+    assert result["seconds"] == 30.0 - 21.5
+
+
 def _processes_naming(marker: str) -> list[int]:
     """Live processes whose command line holds ``marker`` (a run's children name its files)."""
     found = []
