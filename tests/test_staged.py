@@ -117,6 +117,18 @@ def test_without_a_limit_the_ring_holds_two_rounds_of_reads(
     standin.assert_clean()
 
 
+def test_without_a_limit_tiny_blocks_still_get_a_page_per_slot(
+    standin: StandIn, every_dtype: Written
+) -> None:
+    config = cfg(memory_limit=None, concurrency=1, block_size=512)
+    with streamer.open(every_dtype.index, config=config) as s:
+        got = dict(iter(s))
+        metrics = s.metrics
+    assert_same_dict(got, every_dtype.tensors)
+    assert metrics["peak_buffer_bytes"] == 8 * DIRECT_IO_ALIGNMENT
+    standin.assert_clean()
+
+
 def test_reads_in_flight_are_reader_blocks_locally_and_get_blocks_on_s3() -> None:
     config = StreamerConfig(concurrency=3, block_size=KiB << 10, s3=S3Config(concurrency=5))
     assert LocalStorage(config).reads_in_flight(config) == 3 << 20

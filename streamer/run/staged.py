@@ -21,7 +21,7 @@ import torch
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.copy_engine import CopyEngine, CopyTicket
 from streamer.destinations.cpu import empty_tensor
-from streamer.destinations.ring import HostRing, RingCache, ring_shape
+from streamer.destinations.ring import MIN_SLOTS, HostRing, RingCache, ring_shape
 from streamer.destinations.targets import Destination, DestinationFor, Layout
 from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
@@ -31,10 +31,11 @@ from streamer.run.driver import Submit
 from streamer.run.slots import CopyFailed, SlotTable
 from streamer.selection import Selection
 
-# Without a memory limit the ring holds two rounds of the storage's reads in flight, at most
-# 1 GiB: every reader has a slot while copies drain, and the ring is no larger than that,
-# because every byte of it is first-touched (or page-locked) by the load.
+# Without a memory limit the ring holds two rounds of the storage's reads in flight (at least a
+# page per slot, at most 1 GiB): every reader has a slot while copies drain, and the ring is no
+# larger than that, because every byte of it is first-touched (or page-locked) by the load.
 RING_ROUNDS = 2
+MIN_DEFAULT_RING_BYTES = MIN_SLOTS * DIRECT_IO_ALIGNMENT
 MAX_DEFAULT_RING_BYTES = 1 << 30
 
 
@@ -64,7 +65,9 @@ class StagedSink:
         reads_in_flight: int,
     ) -> None:
         self._config = config
-        self._default_ring_bytes = min(MAX_DEFAULT_RING_BYTES, RING_ROUNDS * reads_in_flight)
+        self._default_ring_bytes = min(
+            MAX_DEFAULT_RING_BYTES, max(MIN_DEFAULT_RING_BYTES, RING_ROUNDS * reads_in_flight)
+        )
         self._device = staging.device
         self._copy_engine: CopyEngine | None = staging.copy_engine
         self._rings = staging.rings
