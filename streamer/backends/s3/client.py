@@ -113,9 +113,6 @@ class S3Client:
         self._context: Any = None
         self._client: Any = None
         self._targets: dict[S3Uri, tuple[Target, float]] = {}
-        self._ssl = (
-            ssl_context(config.ca_bundle, config.verify) if config.verify else ssl_context(None, False)
-        )
         self._secrets = [
             secret
             for secret in (config.access_key_id, config.secret_access_key, config.session_token)
