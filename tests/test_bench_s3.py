@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -303,7 +304,43 @@ def test_the_cache_benchmark_runs_the_settings_asked_for(
         ("local cold / hit cold", "run"),
     ]
     assert all(v["ratio"] > 0 for v in found["ratios"])
+    assert found["interrupted"] is None
     assert SECRET_KEY not in done.stdout + done.stderr
+
+
+def test_the_cache_benchmark_cut_by_sigterm_reports_its_finished_runs(
+    s3_server: str, checkpoint: synthetic.Synthetic, tmp_path: Path
+) -> None:
+    """As ``timeout`` cuts it: the runs so far are summed up and written, the work directory is
+    removed, and the exit status is SIGTERM's."""
+    out, work = tmp_path / "cache.json", tmp_path / "work"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, str(S3_CACHE), "--local", str(checkpoint.files[0].parent)),
+            *("--source", f"s3://{BUCKET}/model/", "--repeat", "100", "--settle", "0"),
+            *("--settings", "hit cold,local cold", "--work", str(work), "--json", str(out)),
+        ],
+        env={**os.environ, **aws_variables(s3_server), "STREAMER_S3_ADDRESSING_STYLE": "path"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            if line.startswith("round 1 "):
+                break
+        else:
+            pytest.fail("the benchmark ended before its second round")
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "SIGTERM: stopped" in stdout and "median seconds: " in stdout
+    found = json.loads(out.read_text())
+    assert found["interrupted"] == "SIGTERM" and 3 <= len(found["runs"]) < 200
+    assert not work.exists()
 
 
 def test_the_cache_benchmark_refuses_an_unknown_setting(s3_server: str, tmp_path: Path) -> None:
