@@ -361,6 +361,34 @@ def test_a_run_cut_by_a_signal_reports_the_runs_that_finished(tmp_path: Path, si
     jsonschema.validate(doc, json.loads(report.SCHEMA_PATH.read_text()), cls=jsonschema.Draft202012Validator)
 
 
+def test_a_signal_while_the_checkpoint_is_made_leaves_no_temporary_files(tmp_path: Path) -> None:
+    """A generated checkpoint lives in a temporary directory: SIGTERM (``timeout``) before the first
+    run must remove it, not leave gigabytes behind."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamer.bench", "--synthetic", "2GiB", "--loaders", "streamer"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=BENCH_ENV | {"TMPDIR": str(temp)},
+        cwd=tempfile.gettempdir(),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not any(f.stat().st_size > 0 for f in temp.glob("streamer-bench-*/**/*.safetensors")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no checkpoint file appeared"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped by SIGTERM before any run" in stderr
+    assert list(temp.iterdir()) == []
+
+
 def test_bad_arguments_exit_2_from_the_command_line() -> None:
     proc = bench("--repeat", "0", timeout=120)
     assert proc.returncode == 2 and "usage: streamer-bench" in proc.stderr

@@ -532,9 +532,8 @@ def measure(
     sections: list[dict[str, Any]] = []
     memory: list[ceilings.Ceiling] = []
     try:
-        with runner.stopping_on_signals():
-            run_sections(args, checkpoint, planned, progress, sections)
-            memory = memory_ceilings(args, checkpoint, probed, progress)
+        run_sections(args, checkpoint, planned, progress, sections)
+        memory = memory_ceilings(args, checkpoint, probed, progress)
     except runner.Interrupted as stop:
         progress(f"{stop.signal}: stopped; reporting the runs that finished")
         return sections, memory, stop
@@ -627,6 +626,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return vllm_main(given[1:])
     args = parse_args(argv)
     progress = Progress(args.quiet)
+    try:
+        with runner.stopping_on_signals():
+            return _bench(args, argv, progress)
+    except runner.Interrupted as stop:  # before any run: nothing to report; the temporary files are gone
+        print(f"streamer-bench: stopped by {stop.signal} before any run", file=sys.stderr)
+        return stop.exit_status
+
+
+def _bench(args: argparse.Namespace, argv: Sequence[str] | None, progress: Progress) -> int:
+    """Everything after the arguments: the checkpoint, the runs, the report and its files."""
     with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:
         workdir = Path(tmp)
         probed = probe(args.remote)

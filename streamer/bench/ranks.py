@@ -62,10 +62,17 @@ def _one_run(source: str, world: int, grouped: bool, keep: bool) -> dict[str, An
             spawn.Process(target=_rank, args=(r, world, f"{tmp}/init", source, grouped, keep, tmp))
             for r in range(world)
         ]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join()
+        try:
+            for process in processes:
+                process.start()
+            for process in processes:
+                process.join()
+        except BaseException:  # a stop (Ctrl-C, SIGTERM): no rank outlives the bench
+            for process in processes:
+                if process.pid is not None:
+                    process.kill()
+                    process.join()
+            raise
         failed = [r for r, p in enumerate(processes) if p.exitcode != 0]
         if failed:
             raise RuntimeError(f"ranks {failed} of a {'group' if grouped else 'independent'} run failed")
