@@ -159,7 +159,9 @@ class S3Config:
         ignores ``If-Match``); such a response's bytes count only once it completes.
     max_list_pages: pages a prefix listing may take before it is an error.
     header_bytes: bytes fetched speculatively from the start of each file to read its header
-        (a second request only when the header is longer).
+        (a second request only when the header is longer). 256 KiB holds the header of a shard
+        of thousands of tensors; what it reads past the header is not used, so 1 MiB cost every
+        S3 open ~30 ms more on a 25 MiB/s connection.
     """
 
     concurrency: int = field(default_factory=lambda: _env_int("STREAMER_S3_CONCURRENCY", 64))
@@ -181,7 +183,7 @@ class S3Config:
     read_timeout: float = field(default_factory=lambda: _env_float("STREAMER_S3_READ_TIMEOUT", 30.0))
     backoff_base: float = 0.1
     backoff_max: float = 5.0
-    header_bytes: int = 1 << 20
+    header_bytes: int = 256 << 10
     min_rate: int = field(
         default_factory=lambda: parse_size(
             os.environ.get("STREAMER_S3_MIN_RATE") or "64KiB", name="STREAMER_S3_MIN_RATE"
