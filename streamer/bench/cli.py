@@ -535,6 +535,7 @@ def measure(
         run_sections(args, checkpoint, planned, progress, sections)
         memory = memory_ceilings(args, checkpoint, probed, progress)
     except runner.Interrupted as stop:
+        stop.during = stop.during or "memory ceilings"  # run_sections names a state it cut short
         progress(f"{stop.signal}: stopped; reporting the runs that finished")
         return sections, memory, stop
     return sections, memory, None

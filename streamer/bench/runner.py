@@ -37,7 +37,7 @@ class Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         self.signal = signal.Signals(signum).name
         self.exit_status = 128 + signum  # what the shell reports for a process the signal ended
-        self.during = "memory ceilings"  # what it cut short; the run loop names its state
+        self.during = ""  # what it cut short, named by whoever catches it
         super().__init__(self.signal)
 
 

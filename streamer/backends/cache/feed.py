@@ -232,7 +232,7 @@ class CacheFeed(ExternalFeed):
             else:
                 self._begin(fetch, lock)
         except Exception as exc:  # no memory for a chunk buffer, or a bug: its blocks fail
-            self._abandon(fetch, exc)
+            self._abandon(fetch, self._failure(fetch, exc))
 
     def _wait_for_fill(self, fetch: _Fetch) -> None:
         """Waits for another process's fill of the chunk, up to ``_FILL_WAIT`` seconds or the
@@ -244,16 +244,17 @@ class CacheFeed(ExternalFeed):
             ident, index = self._idents[fetch.key[0]], fetch.key[1]
             self._begin(fetch, self._store.lock(ident, index, wait, stop=self._closing))
         except Exception as exc:
-            self._abandon(fetch, exc)
+            self._abandon(fetch, self._failure(fetch, exc))
 
-    def _abandon(self, fetch: _Fetch, exc: Exception) -> None:
-        """Ends a fetch that failed outside its GET: its slot and lock go back, its blocks fail
-        with a typed error naming the object and the bytes."""
+    def _abandon(self, fetch: _Fetch, error: StreamerError) -> None:
+        """Ends a failed fetch: its lock and slot go back, its blocks fail with ``error``."""
         self._unlock(fetch)
         self._release_slot(fetch)
-        self._fetched(fetch, error=self._failure(fetch, exc))
+        self._fetched(fetch, error=error)
 
     def _failure(self, fetch: _Fetch, exc: Exception) -> S3Error:
+        """An unexpected exception (no memory for a chunk buffer, a bug) as a typed error naming
+        the object and the bytes."""
         info = self._objects[fetch.key[0]]
         return S3Error(
             f"cache: unexpected failure: {type(exc).__name__}: {exc}",
@@ -310,7 +311,7 @@ class CacheFeed(ExternalFeed):
                 try:
                     await self._fetch(connection, fetch)
                 except Exception as exc:  # a bug must still end the run, never stop this task
-                    self._abandon(fetch, exc)
+                    self._abandon(fetch, self._failure(fetch, exc))
         finally:
             connection.close()
 
@@ -330,9 +331,7 @@ class CacheFeed(ExternalFeed):
         # The fetch slot goes back once the lock has (or the writer holds it): the locks held stay
         # within the fetch slots plus the write slots.
         if error is not None:
-            self._unlock(fetch)
-            self._release_slot(fetch)
-            self._fetched(fetch, error=error)
+            self._abandon(fetch, error)
         elif fetch.lock is not None and self._write_slots.acquire(blocking=False):
             self._release_slot(fetch)
             self._write_pool.submit(self._write, fetch)
