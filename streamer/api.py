@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from streamer.backends import open_storage
-from streamer.backends.base import ReadCost, Storage
-from streamer.checkpoint import Checkpoint, TensorRef, read_checkpoint
+from streamer.backends.base import ReadCost, StaleOpen, Storage
+from streamer.checkpoint import Checkpoint, TensorRef, checkpoint_of, confirmed, read_checkpoint
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine, parse_device
 from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
@@ -108,10 +108,13 @@ class Streamer:
         self._storage = open_storage(source, self.config)
         weakref.finalize(self, self._storage.close)
         try:
+            # Maybe provisional (a cache's note of the source): a full pass reads from it at once,
+            # everything else waits for the storage to confirm it (``checkpoint``).
             self._checkpoint = read_checkpoint(self._storage, source)
         except BaseException:
             self._storage.close()
             raise
+        self._provisional = True
         self._group = group
         self._run: Run | None = None  # the last read, for metrics
         self._exchange: GroupExchange | None = None  # the last read's, if it was a group read
@@ -119,26 +122,26 @@ class Streamer:
         self._rings = RingCache()
 
     def keys(self) -> list[str]:
-        return list(self._checkpoint.tensors)
+        return list(self.checkpoint.tensors)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._checkpoint.tensors
+        return name in self.checkpoint.tensors
 
     def __len__(self) -> int:
-        return len(self._checkpoint.tensors)
+        return len(self.checkpoint.tensors)
 
     def metadata(self) -> dict[str, str]:
         """``__metadata__`` of the files, merged (the first file wins a clash)."""
-        return self._checkpoint.metadata()
+        return self.checkpoint.metadata()
 
     @property
     def files(self) -> tuple[str, ...]:
-        return self._checkpoint.paths
+        return self.checkpoint.paths
 
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data in the checkpoint: what a full read loads (for progress bars)."""
-        return sum(ref.entry.nbytes for ref in self._checkpoint.refs())
+        return sum(ref.entry.nbytes for ref in self.checkpoint.refs())
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -154,7 +157,20 @@ class Streamer:
     @property
     def checkpoint(self) -> Checkpoint:
         """The parsed headers and the name -> ``TensorRef`` table (what ``read`` takes)."""
+        self._confirm()
         return self._checkpoint
+
+    def _confirm(self) -> bool:
+        """Waits for the storage to confirm the open the checkpoint came from; True when it did
+        not and the checkpoint was replaced by the fresh one."""
+        if not self._provisional:
+            return False
+        fresh = self._storage.confirm_open()
+        self._provisional = False
+        if fresh is None:
+            return False
+        self._checkpoint = checkpoint_of(self._storage, fresh)
+        return True
 
     @property
     def read_cost(self) -> ReadCost:
@@ -164,7 +180,7 @@ class Streamer:
     def read_cost_of(self, ref: TensorRef) -> ReadCost:
         """What one more read request costs reading ``ref`` now (how ``get_slice`` plans): local
         bytes in the page cache cost less per request than bytes on the device."""
-        return self._storage.read_cost_of(self._checkpoint.files[ref.file], (ref.entry.begin, ref.entry.end))
+        return self._storage.read_cost_of(self.checkpoint.files[ref.file], (ref.entry.begin, ref.entry.end))
 
     def read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """The tensors of ``refs``, in the order given, from one run that keeps them all.
@@ -181,7 +197,7 @@ class Streamer:
         """The ranges of ``ref``'s tensor that ``packing`` lays out, back to back in one CPU buffer
         (uint8), read by one run of the handle's storage: how ``get_slice`` reads a shard."""
         sink = functools.partial(PackedSink, packing, hugepages=self.config.hugepages)
-        run = Run(self._checkpoint, [ref], self.config, sink, ordered=False, storage=self._storage)
+        run = Run(self.checkpoint, [ref], self.config, sink, ordered=False, storage=self._storage)
         self._run, self._exchange = run, None
         ((_, buffer),) = run.results()
         return buffer
@@ -202,7 +218,7 @@ class Streamer:
     ) -> GroupExchange:
         """A group run of ``refs`` into new tensors; the handle's current read from now on."""
         exchange = GroupExchange(
-            self._checkpoint,
+            self.checkpoint,
             self._storage,
             refs,
             group,
@@ -218,7 +234,7 @@ class Streamer:
     def rows(self, name: str, start: int, stop: int) -> TensorRef:
         """Rows ``start:stop`` (along the first dimension) of a tensor, as a ref of their own for
         ``read`` or ``group_read``: a tensor-parallel rank's shard of a row-split weight."""
-        ref = self._checkpoint.ref(name)
+        ref = self.checkpoint.ref(name)
         entry = ref.entry
         if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
             raise ConfigError(f"rows {start}:{stop} are not rows of shape {list(entry.shape)}", tensor=name)
@@ -232,7 +248,7 @@ class Streamer:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (all workers share it when it is large); an iteration may be under way."""
-        run = self._new_run([self._checkpoint.ref(name)], ordered=True)
+        run = self._new_run([self.checkpoint.ref(name)], ordered=True)
         self._run, self._exchange = run, None
         results = run.results()
         try:
@@ -269,17 +285,46 @@ class Streamer:
                 path=self._checkpoint.paths[0],
             )
         self._stop()
-        refs = list(self._checkpoint.refs())
         ordered = self._order == "checkpoint"
-        if self._group is not None:
+        if self._group is not None:  # every rank plans from a confirmed open
+            refs = list(self.checkpoint.refs())
             exchange = self._new_exchange(refs, self._group, ordered=ordered, keep_all=keep_all)
             iteration = _Iteration(exchange.results())
         else:
-            run = self._new_run(refs, ordered=ordered, keep_all=keep_all)
-            iteration = _Iteration(run.results())
+            run = self._new_run(list(self._checkpoint.refs()), ordered=ordered, keep_all=keep_all)
+            iteration = _Iteration(self._confirmed_results(run, ordered=ordered, keep_all=keep_all))
             self._run, self._exchange = run, None
         self._iteration = weakref.ref(iteration)
         return iteration
+
+    def _confirmed_results(
+        self, run: Run, *, ordered: bool, keep_all: bool
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The results of ``run``, a pass over every tensor, handed on once the open it was planned
+        from is confirmed. From a provisional open the run reads at once but its storage credits
+        nothing before the answer; if the source changed, the run ends (``StaleOpen``) before
+        anything is handed on, and a pass over the fresh checkpoint takes its place."""
+        while True:  # twice at most: the first answer leaves the checkpoint confirmed
+            results = run.results()
+            try:
+                first = next(results, None)
+                replanned = self._confirm()
+            except StaleOpen:
+                if not self._confirm():
+                    raise  # only a changed source ends a run so
+                replanned = True
+            except BaseException:  # S3's answer was an error (the run has read nothing yet)
+                results.close()
+                raise
+            if not replanned:
+                break
+            results.close()
+            run = self._new_run(list(self._checkpoint.refs()), ordered=ordered, keep_all=keep_all)
+            self._run = run
+        if first is not None:
+            yield first
+            del first  # the consumer's reference alone keeps it (memory_limit counts on that)
+            yield from results
 
     def _new_run(self, refs: Sequence[TensorRef], *, ordered: bool, keep_all: bool = False) -> Run:
         """A direct read into CPU memory, or a staged one through the ring where a copy engine is needed.
@@ -375,7 +420,10 @@ def load(
     """
     with Streamer(source, device=device, config=config, group=group) as handle:
         loaded: dict[str, torch.Tensor] = {}
-        with ByteProgress(handle.nbytes, enabled=progress) as bar:
+        # The bar's total from the checkpoint as opened: asking ``nbytes`` would wait for a
+        # provisional open to be confirmed, which the pass itself does while reading.
+        total = sum(ref.entry.nbytes for ref in handle._checkpoint.refs())
+        with ByteProgress(total, enabled=progress) as bar:
             for name, tensor in handle._iterate(keep_all=True):
                 loaded[name] = tensor
                 bar.update(tensor.nbytes)
@@ -435,7 +483,22 @@ def load_into(
     """
     config = config if config is not None else StreamerConfig()
     with open_storage(source, config) as storage:
-        return _load_into(dest, storage, read_checkpoint(storage, source), config, strict, group)
+        checkpoint = read_checkpoint(storage, source)
+        if group is not None:  # every rank plans from a confirmed open
+            checkpoint = confirmed(storage, checkpoint)
+        # From a provisional open the load reads at once; nothing reaches ``dest`` before the
+        # storage confirms it, and if the source changed the load runs again from the fresh one.
+        try:
+            incompatible = _load_into(dest, storage, checkpoint, config, strict, group)
+        except StreamerError:
+            fresh = storage.confirm_open()
+            if fresh is None:
+                raise
+        else:
+            fresh = storage.confirm_open()
+            if fresh is None:
+                return incompatible
+        return _load_into(dest, storage, checkpoint_of(storage, fresh), config, strict, group)
 
 
 def _load_into(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from streamer.backends import open_storage
 from streamer.backends.base import Opened, Storage, StoredFile
 from streamer.config import S3Config, StreamerConfig
-from streamer.errors import MissingTensorError, SourceError
+from streamer.errors import MissingTensorError, SourceError, StreamerError
 from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
 from streamer.sources import ResolvedSource, SourceLike
 
@@ -59,13 +59,33 @@ def open_checkpoint(source: SourceLike, s3_config: S3Config | None = None) -> Ch
     before returning; no tensor data is read."""
     config = StreamerConfig() if s3_config is None else StreamerConfig(s3=s3_config)
     with open_storage(source, config) as storage:
-        return read_checkpoint(storage, source)
+        return confirmed(storage, read_checkpoint(storage, source))
 
 
 def read_checkpoint(storage: Storage, source: SourceLike) -> Checkpoint:
-    """Resolves the source with ``storage`` and parses every header; no tensor data is read."""
+    """Resolves the source with ``storage`` and parses every header; no tensor data is read.
+
+    The open may be provisional (``Storage.confirm_open``): a checkpoint that fails to parse from
+    it is parsed again from the storage's answer before the error is believed."""
     opened = storage.open(source)
+    try:
+        return checkpoint_of(storage, opened)
+    except StreamerError:
+        fresh = storage.confirm_open()
+        if fresh is None:
+            raise
+    return checkpoint_of(storage, fresh)
+
+
+def checkpoint_of(storage: Storage, opened: Opened) -> Checkpoint:
+    """The checkpoint ``opened`` describes (the rest of a header its front lacks read from ``storage``)."""
     return _checkpoint(opened.source, _headers(storage, opened), tuple(f.file for f in opened.fronts))
+
+
+def confirmed(storage: Storage, checkpoint: Checkpoint) -> Checkpoint:
+    """``checkpoint``, or the fresh one if it was read from a provisional open that did not stand."""
+    fresh = storage.confirm_open()
+    return checkpoint if fresh is None else checkpoint_of(storage, fresh)
 
 
 def _headers(storage: Storage, opened: Opened) -> tuple[FileHeader, ...]:

@@ -43,8 +43,10 @@ from conftest import (
 import streamer
 from streamer import CacheConfig, StreamerConfig
 from streamer.backends.cache import feed as cache_feed
+from streamer.backends.cache import notes
 from streamer.backends.cache import store as cache_store
 from streamer.backends.cache.store import CacheWarning
+from streamer.backends.s3.storage import S3Storage
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -499,3 +501,168 @@ def test_vllm_plugin_cache_keys(tmp_path: Path) -> None:
     assert parse_options({}).config.cache.dir is None
     with pytest.raises(streamer.ConfigError):
         parse_options({"cache_max_bytes": 0})
+
+
+# --- provisional opens: a hit reads from the cache's note of the source while S3 answers ----------
+
+
+def note_files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.glob("opens/*.note"))
+
+
+class GatedOpen:
+    """S3 opens (the confirmation of a provisional open) wait for ``release``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        real = S3Storage.open
+
+        def gated(storage: S3Storage, source: Any) -> Any:
+            self.entered.set()
+            assert self.release.wait(60)
+            return real(storage, source)
+
+        monkeypatch.setattr(S3Storage, "open", gated)
+
+
+def test_a_hit_reads_the_cache_before_s3_answers_and_hands_nothing_on_before(
+    monkeypatch: pytest.MonkeyPatch, s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    load(prefix(s3_server), cfg(s3_server, tmp_path))  # fills the cache and notes the source
+    assert len(note_files(tmp_path)) == 1
+    before = time.time() - 1
+    for path in chunk_files(tmp_path):
+        os.utime(path, (before, before))
+    gate = GatedOpen(monkeypatch)
+    handed: list[tuple[str, torch.Tensor]] = []
+    handle = streamer.open(prefix(s3_server), config=cfg(s3_server, tmp_path), order="checkpoint")
+    reader = threading.Thread(target=lambda: handed.extend(iter(handle)))  # len(handle) would wait
+    reader.start()
+    try:
+        assert gate.entered.wait(30)
+        # A hit touches its chunk (LRU): every chunk is read while S3 has not answered.
+        until = time.monotonic() + 30
+        while time.monotonic() < until and any(p.stat().st_mtime <= before for p in chunk_files(tmp_path)):
+            time.sleep(0.01)
+        assert [p.name for p in chunk_files(tmp_path) if p.stat().st_mtime <= before] == []
+        assert reader.is_alive() and not handed
+    finally:
+        gate.release.set()
+        reader.join(60)
+    assert_same_dict(dict(handed), reference_load(model.shards))
+    metrics = handle.metrics
+    handle.close()
+    assert metrics["requests"] == 0 and metrics["cache_hit_bytes"] == metrics["bytes"]
+
+
+def test_a_source_that_changed_since_its_note_loads_as_it_is_now(
+    s3_server: str, s3: Any, tmp_path: Path
+) -> None:
+    """Another listing, other tensors (names, shapes), other sizes: every API plans from S3's
+    answer (the stale note is put back before each)."""
+    g = torch.Generator().manual_seed(5)
+    old_tensors = {f"a{i}": random_tensor((20 * KiB,), torch.float16, g) for i in range(6)}
+    new_tensors = {f"b{i}": random_tensor((9 * KiB + i, 3), torch.bfloat16, g) for i in range(9)}
+    old = write_checkpoint(tmp_path / "old", old_tensors, shards=2)
+    new = write_checkpoint(tmp_path / "new", new_tensors, shards=3)
+    upload(s3, old, "changing")
+    source = f"s3://{BUCKET}/changing/"
+    config = cfg(s3_server, tmp_path / "cache")
+    got, _ = load(source, config)
+    assert_same_dict(got, reference_load(old.shards))
+    (note,) = note_files(tmp_path / "cache")
+    stale = note.read_bytes()
+    for shard in old.shards:
+        s3.delete_object(Bucket=BUCKET, Key=f"changing/{shard.name}")
+    upload(s3, new, "changing")
+    expected = reference_load(new.shards)
+
+    def from_stale_note() -> StreamerConfig:
+        note.write_bytes(stale)
+        return config
+
+    got, metrics = load(source, from_stale_note())
+    assert_same_dict(got, expected)
+    assert metrics["bytes"] == sum(t.nbytes for t in expected.values())
+    assert_same_dict(streamer.load(source, config=from_stale_note()), expected)
+    with streamer.open(source, config=from_stale_note()) as handle:
+        assert handle.keys() == list(expected)
+    with streamer.open(source, config=from_stale_note()) as handle:
+        assert_same_dict({"b3": handle.get_tensor("b3")}, {"b3": expected["b3"]})
+    with streamer.safe_open(source, config=from_stale_note()) as opened:
+        assert_same_dict({"b3": opened.get_slice("b3")[1:5]}, {"b3": expected["b3"][1:5]})
+    dest = {name: torch.empty_like(t) for name, t in expected.items()}
+    streamer.load_into(dest, source, config=from_stale_note())
+    assert_same_dict(dest, expected)
+    assert note.read_bytes() != stale  # noted as it is now
+
+
+def test_an_object_gone_since_its_note_is_an_error_not_a_hit(
+    s3_server: str, s3: Any, model: Written, tmp_path: Path
+) -> None:
+    upload(s3, model, "gone")
+    source = f"s3://{BUCKET}/gone/{model.shards[0].name}"
+    config = cfg(s3_server, tmp_path)
+    load(source, config)
+    s3.delete_object(Bucket=BUCKET, Key=f"gone/{model.shards[0].name}")
+    with pytest.raises(streamer.S3MissingError, match="gone/"):
+        load(source, config)
+    with pytest.raises(streamer.S3MissingError), streamer.open(source, config=config) as handle:
+        handle.keys()
+    with pytest.raises(streamer.S3MissingError):
+        streamer.load_into({}, source, config=config, strict=False)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign"])
+def test_a_damaged_note_is_no_note(
+    s3_server: str, model: Written, tmp_path: Path, damage: str
+) -> None:
+    config = cfg(s3_server, tmp_path)
+    load(prefix(s3_server), config)
+    (note,) = note_files(tmp_path)
+    data = bytearray(note.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+    elif damage == "truncate":
+        del data[-10:]
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data = bytearray(b"STRMOP01" + bytes(100))
+    note.write_bytes(bytes(data))
+    got, metrics = load(prefix(s3_server), config)
+    assert_same_dict(got, reference_load(model.shards))
+    assert metrics["requests"] == 0
+    assert notes.OpenNotes(str(tmp_path)).read(note.stem) is not None  # noted again
+
+
+def test_closing_a_handle_before_s3_answers_leaves_nothing_running(
+    monkeypatch: pytest.MonkeyPatch, s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    config = cfg(s3_server, tmp_path)
+    load(prefix(s3_server), config)
+    threads, fds = thread_count(), fd_count()
+    gate = GatedOpen(monkeypatch)
+    handle = streamer.open(prefix(s3_server), config=config)
+    assert gate.entered.wait(30)
+    threading.Timer(0.2, gate.release.set).start()
+    handle.close()
+    until = time.monotonic() + 5
+    while (thread_count() > threads or fd_count() > fds) and time.monotonic() < until:
+        time.sleep(0.05)
+    assert thread_count() <= threads and fd_count() <= fds
+    assert not [t for t in threading.enumerate() if t.name.startswith("streamer")]
+
+
+def test_no_note_when_a_header_is_longer_than_the_front_read(
+    s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    config = cfg(s3_server, tmp_path)
+    config = dataclasses.replace(config, s3=dataclasses.replace(config.s3, header_bytes=64))
+    got, _ = load(prefix(s3_server), config)
+    assert_same_dict(got, reference_load(model.shards))
+    assert not note_files(tmp_path)
+    got, metrics = load(prefix(s3_server), config)
+    assert_same_dict(got, reference_load(model.shards))
+    assert metrics["requests"] == 0

@@ -16,8 +16,12 @@ from conftest import takes_direct_io
 
 pytest.importorskip("xxhash")
 
+from streamer.backends.base import Front, Opened
 from streamer.backends.cache import store as cache_store
+from streamer.backends.cache.notes import OpenNotes, note_key
 from streamer.backends.cache.store import HEAD_BYTES, ChunkBuffer, ChunkStore, piece_bytes
+from streamer.backends.s3.uri import ObjectInfo, S3Uri
+from streamer.sources import ResolvedSource
 
 IDENT = "0123456789abcdef0123456789abcdef"
 CHUNK = 1 << 20
@@ -182,3 +186,43 @@ def test_writers_at_once_never_leave_the_directory_over_max_bytes(tmp_path: Path
         list(pool.map(write, range(160)))
     on_disk = sum(p.stat().st_size for p in tmp_path.glob("v2/*/*.chunk"))
     assert 0 < on_disk <= limit
+
+
+# --- notes of how a source resolved (``notes.py``) ---------------------------------------------
+
+
+def _front(key: str, header: bytes, size: int, etag: str | None) -> Front:
+    data = len(header).to_bytes(8, "little") + header
+    return Front(ObjectInfo(S3Uri("bucket", key), size, etag), data + b"tensor bytes past the header")
+
+
+def test_a_note_reads_back_as_the_open_it_noted_with_each_header_whole(tmp_path: Path) -> None:
+    first = '{"é": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'.encode()
+    second = b'{"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}  '
+    fronts = (_front("m/a.safetensors", first, 99, '"e1"'), _front("m/b.safetensors", second, 80, None))
+    source = ResolvedSource(
+        paths=tuple(f.file.path for f in fronts),
+        weight_map={"é": "s3://bucket/m/a.safetensors", "x": "s3://bucket/m/b.safetensors"},
+        index_path="s3://bucket/m/model.safetensors.index.json",
+    )
+    notes = OpenNotes(str(tmp_path))
+    key = note_key("http://127.0.0.1:9", ["s3://bucket/m/model.safetensors.index.json"])
+    assert notes.read(key) is None
+    notes.write(key, Opened(source, fronts))
+    got = notes.read(key)
+    assert got is not None and got.source == source
+    assert [f.file for f in got.fronts] == [f.file for f in fronts]
+    for old, new in zip(fronts, got.fronts, strict=True):
+        end = 8 + int.from_bytes(old.data[:8], "little")
+        assert new.data == old.data[:end]  # the header, not the bytes after it
+    assert note_key(None, ["s3://bucket/m/"]) != note_key("http://127.0.0.1:9", ["s3://bucket/m/"])
+    assert not list(tmp_path.glob("opens/*.tmp.*"))
+
+
+def test_no_note_of_a_front_short_of_its_header(tmp_path: Path) -> None:
+    header = b'{"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}'
+    cut = len(header).to_bytes(8, "little") + header[:10]
+    short = Front(ObjectInfo(S3Uri("bucket", "k"), 200, '"e"'), cut)
+    notes = OpenNotes(str(tmp_path))
+    notes.write("k", Opened(ResolvedSource(paths=("s3://bucket/k",)), (short,)))
+    assert notes.read("k") is None and not list(tmp_path.glob("opens/*"))

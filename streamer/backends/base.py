@@ -13,6 +13,12 @@ the run's files with the native engine and returns a ``Feed`` that serves their 
 
 A failure inside a feed stops the engine (``fail``: "an external failure") and is kept as the
 feed's own typed error; ``reader.Reader`` raises that error, the one route to the caller.
+
+An open may be provisional: a storage that remembers how a source resolved last time (the node's
+cache) answers at once from that note and confirms it with the storage in the background. Runs
+start at once; their feeds credit nothing before the answer, and fail with ``StaleOpen`` when the
+source changed. ``confirm_open`` waits for the answer and gives the fresh open in that case:
+whoever planned from the provisional one plans again (``checkpoint.confirmed``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,12 @@ from streamer.config import StreamerConfig
 from streamer.engine import native
 from streamer.errors import StreamerError
 from streamer.sources import ResolvedSource, SourceLike
+
+
+class StaleOpen(StreamerError):
+    """A run planned from a provisional open failed before anything was credited: the source
+    changed since the note the open came from. Caught where the run was planned, which plans again
+    from ``Storage.confirm_open()``; it reaches a caller only through a bug."""
 
 
 class StoredFile(Protocol):
@@ -119,6 +131,12 @@ class Storage(ABC):
     @abstractmethod
     def open(self, source: SourceLike) -> Opened:
         """Resolves ``source`` into files (directory/prefix listing, index rules) and reads each front."""
+
+    def confirm_open(self) -> Opened | None:
+        """Waits until the last ``open`` is known to stand: None when it does (every open that was
+        not provisional), the fresh open when the source changed since the note it came from.
+        Raises what the storage answered (a denied or missing object); the same answer each time."""
+        return None
 
     @abstractmethod
     def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:

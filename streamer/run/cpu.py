@@ -7,9 +7,11 @@ once no tensor views it (``destinations/cpu.py``).
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Sequence
+from types import FrameType
 
 import torch
 
@@ -23,9 +25,6 @@ from streamer.run.driver import Submit
 from streamer.selection import Selection
 
 _SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
-# The over-limit warning points at the caller of next() or get_tensor(): _warn_if_over_limit,
-# _new_buffer, submit_what_fits, the driver's loop, run_then_close, next() or get_tensor(), caller.
-_CALLER = 7
 
 
 class CpuSink:
@@ -212,7 +211,7 @@ class CpuSink:
         else:
             return
         self._warned_over_limit = True
-        warnings.warn(message, RuntimeWarning, stacklevel=_CALLER)
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_outside_streamer())
 
     def _take_tensor(self, unit: int) -> tuple[torch.Tensor, int]:
         index = self._segment_of_unit[unit]
@@ -225,3 +224,13 @@ class CpuSink:
             del self._buffers[index]  # the views now own it
             del self._undelivered[index]
         return tensor, charge
+
+
+def _caller_outside_streamer() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package: the loop
+    calling ``next()`` or ``get_tensor()``, however many of streamer's frames lie between."""
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "streamer":
+        level, frame = level + 1, frame.f_back
+    return level

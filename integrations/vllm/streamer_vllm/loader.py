@@ -12,6 +12,7 @@ its copy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -86,13 +87,17 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of ``source`` as it completes, uncopied; ``metrics`` gets streamer's once
         all were read. Shards holding only weights the model never loads are not read."""
-        with self._open(source, device) as handle:
+        with self._open(source, device) as handle, contextlib.ExitStack() as stack:
             show = enable_tqdm(self.load_config.use_tqdm_on_load)
-            with ByteProgress(handle.nbytes, desc="Loading safetensors using streamer", enabled=show) as bar:
-                for name, tensor in handle:
-                    bar.update(tensor.nbytes)
-                    yield source.prefix + name, tensor
-                    del tensor  # vLLM's reference alone decides when its buffer is free
+            bar: ByteProgress | None = None
+            for name, tensor in handle:
+                if bar is None:  # made at the first tensor: asking ``nbytes`` sooner would wait for S3
+                    # to confirm a provisional open (a node cache's note) instead of reading meanwhile
+                    desc = "Loading safetensors using streamer"
+                    bar = stack.enter_context(ByteProgress(handle.nbytes, desc=desc, enabled=show))
+                bar.update(tensor.nbytes)
+                yield source.prefix + name, tensor
+                del tensor  # vLLM's reference alone decides when its buffer is free
         metrics.append((str(source.source), handle.metrics))
 
     def _open(self, source: StreamedSource, device: str) -> streamer.Streamer:

@@ -23,6 +23,11 @@ load of any subset, layout or TP rank finds them. Three kinds of workers serve a
 Processes of a node share fills through the store's chunk locks: the fetch of a chunk holds its
 lock until the chunk is in place; a chunk another process holds is waited for on a waiter thread
 (up to ``_FILL_WAIT`` seconds), then read from the cache, or fetched when it is not there.
+
+A run planned from a provisional open (``storage.py``) has a ``go_ahead``: until it is done, the
+serve threads read hits but blocks are held, not credited, and no fetch starts (the client is
+taken, and the fetch tasks started, at the first fetch); then the held blocks are credited, or
+failed with its error (the source changed, or S3 refused it).
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from streamer.backends.base import ExternalFeed, Named, tensor_at
 from streamer.backends.cache.store import ChunkBuffer, ChunkLock, ChunkStore, piece_bytes
 from streamer.backends.http import Connection
 from streamer.backends.s3.client import S3Client, cancel_all
 from streamer.backends.s3.uri import ObjectInfo
+from streamer.config import S3Config
 from streamer.engine import native
 from streamer.errors import S3Error, StreamerError
 
@@ -94,27 +100,34 @@ class _Fetch:
 
 
 class CacheFeed(ExternalFeed):
-    """Serves the blocks of ``objects`` (engine files 0..n-1), ``idents`` their cache identities."""
+    """Serves the blocks of ``objects`` (engine files 0..n-1), ``idents`` their cache identities;
+    ``client`` gives the S3 client (made on first use), ``go_ahead`` is the provisional open's."""
 
     def __init__(
         self,
-        client: S3Client,
+        client: Callable[[], S3Client],
+        config: S3Config,
         store: ChunkStore,
         chunk_bytes: int,
         engine: native.Engine,
         objects: Sequence[ObjectInfo],
         idents: Sequence[str],
         tensors: Named,
+        go_ahead: Future[None] | None = None,
     ) -> None:
         super().__init__(engine, len(objects))
-        self._client = client
+        self._client_of = client
+        self._client: S3Client | None = None  # taken at the first fetch
+        self._counted = (0, 0, 0)  # the client's counters then
+        self._connecting = threading.Lock()
+        self._config = config
         self._store = store
         self._chunk = chunk_bytes
         self._piece = piece_bytes(chunk_bytes)
         self._objects = tuple(objects)
         self._idents = tuple(idents)
         self._tensors = tensors
-        self._counted = (client.requests, client.retries, client.bytes_fetched, store.errors)
+        self._store_errors = store.errors
         self._mutex = threading.Lock()
         self._shared: dict[tuple[int, int], _Fetch] = {}  # shared chunks fetched or being written
         self._locked: set[_Fetch] = set()  # fetches holding their chunk's lock
@@ -125,34 +138,81 @@ class CacheFeed(ExternalFeed):
             "cache_write_bytes": 0,
             "cache_dropped": 0,
         }
-        deadline = client.config.load_deadline
+        deadline = config.load_deadline
         self._until = None if deadline is None else time.monotonic() + deadline
         self._closing = threading.Event()
         self._closed = False
         self._blocks: queue.SimpleQueue[native.Block | None] = queue.SimpleQueue()
         # Chunks waiting to be written or being written: as many as the GETs in flight, so a wave of
         # GETs landing together is written, not dropped (32 slots dropped 17-65 of 512 chunks).
-        self._write_slots = threading.BoundedSemaphore(client.config.concurrency)
+        self._write_slots = threading.BoundedSemaphore(config.concurrency)
         # Fetches started and not yet landed (a chunk lock each): the serve threads go no further
         # ahead of the GETs in flight than this.
-        self._fetch_slots = threading.BoundedSemaphore(client.config.concurrency)
+        self._fetch_slots = threading.BoundedSemaphore(config.concurrency)
         self._write_pool = ThreadPoolExecutor(_WRITERS, thread_name_prefix="streamer-cache-write")
-        self._wait_pool = ThreadPoolExecutor(
-            client.config.concurrency, thread_name_prefix="streamer-cache-wait"
-        )
+        self._wait_pool = ThreadPoolExecutor(config.concurrency, thread_name_prefix="streamer-cache-wait")
         self._fetches: asyncio.Queue[_Fetch] | None = None
         self._fetchers: list[asyncio.Task[None]] = []
-        client.call(self._start_fetchers(client.config.concurrency))
+        # None until the go-ahead: blocks are held; then True, or the error they all fail with.
+        self._go: bool | StreamerError | None = True if go_ahead is None else None
+        self._held: list[native.Block] = []
+        self._answered = threading.Event()
+        self._settling = threading.Lock()  # held blocks being settled; close() waits for them
         self._servers = [
             threading.Thread(target=self._serve_loop, name="streamer-cache-serve", daemon=True)
             for _ in range(_SERVE_THREADS)
         ]
         for thread in self._servers:
             thread.start()
+        if go_ahead is None:
+            self._answered.set()
+        else:
+            go_ahead.add_done_callback(self._on_go_ahead)
 
-    async def _start_fetchers(self, concurrency: int) -> None:
+    def _on_go_ahead(self, go_ahead: Future[None]) -> None:
+        """Credits the blocks held for the go-ahead, or fails them with its error."""
+        failure = go_ahead.exception()
+        verdict: bool | StreamerError
+        if failure is None:
+            verdict = True
+        elif isinstance(failure, StreamerError):
+            verdict = failure
+        else:  # a bug while opening: the run must still end
+            verdict = StreamerError(
+                f"cache: confirming the open failed: {type(failure).__name__}: {failure}",
+                path=self._objects[0].path if self._objects else None,
+            )
+        with self._settling:
+            if self._closed:
+                return
+            with self._mutex:
+                self._go, held, self._held = verdict, self._held, []
+            self._answered.set()
+            for block in held:
+                if isinstance(verdict, StreamerError):
+                    self.fail(verdict, block)
+                else:
+                    self.credit(block)
+
+    def _connected(self) -> S3Client | None:
+        """The S3 client, this feed's fetch tasks started on it, once the run may go ahead; None
+        when the feed closes first. Raises the error the run may not go ahead for."""
+        while not self._answered.wait(0.1):
+            if self._closing.is_set():
+                return None
+        if isinstance(self._go, StreamerError):
+            raise self._go
+        with self._connecting:
+            if self._client is None:
+                client = self._client_of()
+                self._counted = (client.requests, client.retries, client.bytes_fetched)
+                client.call(self._start_fetchers(client, self._config.concurrency))
+                self._client = client
+            return self._client
+
+    async def _start_fetchers(self, client: S3Client, concurrency: int) -> None:
         self._fetches = asyncio.Queue()
-        self._fetchers = [asyncio.create_task(self._fetch_loop()) for _ in range(concurrency)]
+        self._fetchers = [asyncio.create_task(self._fetch_loop(client)) for _ in range(concurrency)]
 
     def submit(self, blocks: Sequence[native.Block]) -> None:
         if self._error is not None:
@@ -294,7 +354,15 @@ class CacheFeed(ExternalFeed):
                 self._release_slot(fetch)
                 self._fetched(fetch, cached=True)
                 return
-        self._client.loop.call_soon_threadsafe(self._queue_fetch, fetch)
+        try:
+            client = self._connected()
+        except StreamerError as error:
+            self._abandon(fetch, error)
+            return
+        if client is None:
+            self._unlock(fetch)
+            return
+        client.loop.call_soon_threadsafe(self._queue_fetch, fetch)
 
     def _queue_fetch(self, fetch: _Fetch) -> None:
         assert self._fetches is not None
@@ -302,26 +370,26 @@ class CacheFeed(ExternalFeed):
 
     # --- fetching (tasks on the client's loop) -------------------------------------------
 
-    async def _fetch_loop(self) -> None:
+    async def _fetch_loop(self, client: S3Client) -> None:
         assert self._fetches is not None
-        connection = self._client.connection()
+        connection = client.connection()
         try:
             while True:
                 fetch = await self._fetches.get()
                 try:
-                    await self._fetch(connection, fetch)
+                    await self._fetch(client, connection, fetch)
                 except Exception as exc:  # a bug must still end the run, never stop this task
                     self._abandon(fetch, self._failure(fetch, exc))
         finally:
             connection.close()
 
-    async def _fetch(self, connection: Connection, fetch: _Fetch) -> None:
+    async def _fetch(self, client: S3Client, connection: Connection, fetch: _Fetch) -> None:
         info = self._objects[fetch.key[0]]
         error: StreamerError | None = self._error  # the run has failed: fetch nothing more
         if error is None:
             try:
                 with self._land(fetch) as view:
-                    await self._client.fetch_into(
+                    await client.fetch_into(
                         connection, info, fetch.first, fetch.last, view, until=self._until
                     )
             except S3Error as failure:
@@ -398,10 +466,16 @@ class CacheFeed(ExternalFeed):
             if served.outstanding:
                 return
         served.view.release()
-        if served.error is None:
+        with self._mutex:
+            go = self._go
+            if go is None and served.error is None:
+                self._held.append(served.block)  # credited (or failed) by the go-ahead
+                return
+        error = served.error or (go if isinstance(go, StreamerError) else None)
+        if error is None:
             self.credit(served.block)
         else:
-            self.fail(served.error, served.block)
+            self.fail(error, served.block)
 
     def _unexpected(self, exc: Exception, block: native.Block) -> StreamerError:
         return StreamerError(
@@ -451,15 +525,16 @@ class CacheFeed(ExternalFeed):
             self._counters[name] += amount
 
     def stats(self) -> dict[str, int]:
-        client, store = self._client, self._store
+        client = self._client
+        now = (0, 0, 0) if client is None else (client.requests, client.retries, client.bytes_fetched)
         with self._mutex:
             counters = dict(self._counters)
         return {
             "s3_files": len(self._objects),
-            "requests": client.requests - self._counted[0],
-            "retries": client.retries - self._counted[1],
-            "bytes_fetched": client.bytes_fetched - self._counted[2],
-            "cache_errors": store.errors - self._counted[3],
+            "requests": now[0] - self._counted[0],
+            "retries": now[1] - self._counted[1],
+            "bytes_fetched": now[2] - self._counted[2],
+            "cache_errors": self._store.errors - self._store_errors,
             **counters,
         }
 
@@ -468,9 +543,10 @@ class CacheFeed(ExternalFeed):
         queued blocks are dropped, the serve threads end after their block, waits for other
         processes' fills end, fetches in flight are cancelled and the writes under way finish;
         every chunk lock still held is released. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._settling:  # no held block is credited from now on
+            if self._closed:
+                return
+            self._closed = True
         self._closing.set()
         with contextlib.suppress(queue.Empty):
             while True:
@@ -480,7 +556,8 @@ class CacheFeed(ExternalFeed):
         for thread in self._servers:
             thread.join()
         self._wait_pool.shutdown(wait=True, cancel_futures=True)
-        self._client.call(self._stop_fetchers())
+        if self._client is not None:
+            self._client.call(self._stop_fetchers())
         self._write_pool.shutdown(wait=True)
         with self._mutex:
             locked, self._locked = list(self._locked), set()

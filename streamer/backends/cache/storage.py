@@ -1,13 +1,33 @@
 """The S3 storage with the node's cache in front: resolving and headers go to S3 (the header GET
 gives each object's size and ETag, its identity in the cache); each run's blocks are served by a
-``CacheFeed`` from the cache where it holds them and from S3 (written through) where not."""
+``CacheFeed`` from the cache where it holds them and from S3 (written through) where not.
+
+A source opened before has a note in the cache (``notes.py``): it is opened provisionally from
+the note, at once, while a thread opens it on S3 (the client's ~0.3 s of imports and set-up, the
+listing, the header GETs), so a hit reads from the cache during S3's answer. A run's feed credits
+nothing before that answer, and only if every file the run reads is still the object S3 has:
+otherwise the run fails with ``StaleOpen`` and is planned again from the fresh open.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
-from streamer.backends.base import Feed, Named, Opened, Range, Span, Storage, StoredFile
+from streamer.backends.base import (
+    Feed,
+    Named,
+    Opened,
+    Range,
+    Span,
+    StaleOpen,
+    Storage,
+    StoredFile,
+)
 from streamer.backends.cache.feed import CacheFeed
+from streamer.backends.cache.notes import OpenNotes, note_key
 from streamer.backends.cache.store import ChunkStore, identity
 from streamer.backends.s3.storage import S3Storage, s3_object
 from streamer.config import CacheConfig
@@ -31,9 +51,34 @@ class CachedS3Storage(Storage):
         self._config = config
         self._endpoint = endpoint
         self._store: ChunkStore | None = None
+        self._notes = OpenNotes(config.dir)
+        self._confirmation: _Confirmation | None = None  # of the last open, if it was provisional
+        self._confirmations: list[_Confirmation] = []  # every one started, joined by close()
 
     def open(self, source: SourceLike) -> Opened:
-        return self._inner.open(source)
+        items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+        texts = [os.fspath(item) for item in items]
+        key = note_key(self._endpoint, texts)
+        noted = self._notes.read(key)
+        if noted is None:
+            self._confirmation = None
+            opened = self._inner.open(source)
+            self._notes.write(key, opened)
+            return opened
+
+        def fresh() -> Opened:
+            opened = self._inner.open(source)
+            if not _same(noted, opened):
+                self._notes.write(key, opened)
+            return opened
+
+        self._confirmation = _Confirmation(noted, fresh)
+        self._confirmations.append(self._confirmation)
+        return noted
+
+    def confirm_open(self) -> Opened | None:
+        confirmation = self._confirmation
+        return None if confirmation is None else confirmation.fresh()
 
     def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
         return self._inner.read_ranges(ranges)
@@ -46,9 +91,81 @@ class CachedS3Storage(Storage):
             self._store = ChunkStore(self._config.dir, self._config.max_bytes)
         objects = [s3_object(file) for file in files]
         idents = [identity(self._endpoint, o.uri.bucket, o.uri.key, o.size, o.etag) for o in objects]
+        confirmation = self._confirmation
+        go_ahead = None if confirmation is None else confirmation.go_ahead(files)
         return CacheFeed(
-            self._inner.client(), self._store, self._config.chunk_bytes, engine, objects, idents, tensors
+            self._inner.client,
+            self._inner.config,
+            self._store,
+            self._config.chunk_bytes,
+            engine,
+            objects,
+            idents,
+            tensors,
+            go_ahead,
         )
 
     def close(self) -> None:
-        self._inner.close()
+        self._inner.close()  # a confirmation under way fails: its client stops
+        for confirmation in self._confirmations:
+            confirmation.join()
+        self._confirmations = []
+        self._inner.close()  # the client of a confirmation that made it after the first close
+
+
+class _Confirmation:
+    """A provisional open (``noted``) and its confirmation by S3, on a thread of its own."""
+
+    def __init__(self, noted: Opened, open_fresh: Callable[[], Opened]) -> None:
+        self._noted = noted
+        self._open_fresh = open_fresh
+        self._answer: Future[Opened] = Future()
+        self._thread = threading.Thread(target=self._confirm, name="streamer-cache-confirm", daemon=True)
+        self._thread.start()
+
+    def _confirm(self) -> None:
+        try:
+            self._answer.set_result(self._open_fresh())
+        except BaseException as error:  # S3's typed answer, or a bug's: whoever waits must hear it
+            self._answer.set_exception(error)
+
+    def fresh(self) -> Opened | None:
+        """Waits for S3: None when the provisional open stands, else the fresh one."""
+        opened = self._answer.result()
+        return None if _same(self._noted, opened) else opened
+
+    def go_ahead(self, files: Sequence[StoredFile]) -> Future[None]:
+        """Done once S3 has answered: with no result when every one of ``files`` (a run's, from
+        the provisional open or the fresh one) is an object S3 still has, else with the error."""
+        ahead: Future[None] = Future()
+
+        def settle(answer: Future[Opened]) -> None:
+            error = answer.exception()
+            if error is None:
+                current = {front.file for front in answer.result().fronts}
+                changed = [file for file in files if file not in current]
+                if changed:
+                    error = StaleOpen(
+                        "the object changed in S3 since this node's cache noted it", path=changed[0].path
+                    )
+            if error is None:
+                ahead.set_result(None)
+            else:
+                ahead.set_exception(error)
+
+        self._answer.add_done_callback(settle)
+        return ahead
+
+    def join(self) -> None:
+        self._thread.join()
+
+
+def _same(noted: Opened, fresh: Opened) -> bool:
+    """Whether S3's open is the noted one: the same resolution, objects (size, ETag) and headers."""
+    if noted.source != fresh.source or len(noted.fronts) != len(fresh.fronts):
+        return False
+    for old, new in zip(noted.fronts, fresh.fronts, strict=True):
+        shorter = min(len(old.data), len(new.data))
+        if old.file != new.file or old.data[:shorter] != new.data[:shorter]:
+            return False
+    return True

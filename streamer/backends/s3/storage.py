@@ -54,6 +54,10 @@ class S3Storage(Storage):
     ) -> Feed:
         return S3Feeder(self._holder.get(), engine, [s3_object(file) for file in files])
 
+    @property
+    def config(self) -> S3Config:
+        return self._holder.config
+
     def client(self) -> S3Client:
         """The session's client (made on first use), for a storage that wraps this one (the cache)."""
         return self._holder.get()

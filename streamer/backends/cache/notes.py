@@ -1,0 +1,132 @@
+"""What an S3 source resolved to last time, kept in the cache directory: the provisional open.
+
+A hit needs no byte from S3, but the open (the S3 client, the listing, a header GET per file)
+still costs ~0.4 s, mostly imports, before the first block could be read. A note lets the load
+start from what the source was last time while S3 is asked in the background: its files (bucket,
+key, size, ETag) and each file's whole header. Nothing read from it counts before S3 answers the
+same (``CachedS3Storage``, ``CacheFeed``).
+
+Layout: ``<dir>/opens/<key>.note``, ``key`` a hash of the endpoint and the source's text. A note
+is magic, the xxh3_64 of the rest, the length of a JSON description, the description, and the
+headers back to back; written under a temporary name renamed into place. A note that is torn,
+foreign or unreadable is no note: the open goes to S3 as without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import threading
+from collections.abc import Sequence
+
+import xxhash
+
+from streamer.backends.base import Front, Opened
+from streamer.backends.s3.uri import ObjectInfo, S3Uri
+from streamer.errors import StreamerError
+from streamer.format.safetensors import header_end
+from streamer.sources import ResolvedSource
+
+_MAGIC = b"STRMOP01"
+_HEAD = struct.Struct("<8sQQ")  # magic, xxh3_64 of everything after the head, JSON length
+_TMP = ".tmp."
+
+
+def note_key(endpoint: str | None, texts: Sequence[str]) -> str:
+    """The note's name for a source given as ``texts`` (one URI, or a list of object URIs)."""
+    joined = "\0".join((endpoint or "", *texts))
+    return hashlib.sha256(joined.encode()).hexdigest()[:32]
+
+
+class OpenNotes:
+    """The notes in ``<root>/opens``; every failure to read or write one is silent (no note)."""
+
+    def __init__(self, root: str) -> None:
+        self._dir = os.path.join(root, "opens")
+
+    def read(self, key: str) -> Opened | None:
+        try:
+            with open(os.path.join(self._dir, f"{key}.note"), "rb") as file:
+                data = file.read()
+        except OSError:
+            return None
+        return _decode(data)
+
+    def write(self, key: str, opened: Opened) -> None:
+        """Notes ``opened``, if every front holds its file's whole header (else there is no note:
+        a provisional open must need nothing more from S3 to be parsed)."""
+        data = _encode(opened)
+        if data is None:
+            return
+        path = os.path.join(self._dir, f"{key}.note")
+        temporary = f"{path}{_TMP}{os.getpid()}.{threading.get_ident()}"
+        try:
+            os.makedirs(self._dir, exist_ok=True)
+            with open(temporary, "wb") as file:
+                file.write(data)
+            os.replace(temporary, path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+
+
+def _encode(opened: Opened) -> bytes | None:
+    headers = []
+    files = []
+    for front in opened.fronts:
+        info = front.file
+        if not isinstance(info, ObjectInfo):
+            return None
+        try:
+            end = header_end(front.data, path=info.path, file_size=info.size)
+        except StreamerError:
+            return None
+        if len(front.data) < end:
+            return None
+        headers.append(front.data[:end])
+        files.append({"bucket": info.uri.bucket, "key": info.uri.key, "size": info.size, "etag": info.etag})
+    source = opened.source
+    description = json.dumps(
+        {
+            "paths": list(source.paths),
+            "weight_map": source.weight_map,
+            "index_path": source.index_path,
+            "files": files,
+            "header_lengths": [len(h) for h in headers],
+        }
+    ).encode()
+    body = description + b"".join(headers)
+    return _HEAD.pack(_MAGIC, xxhash.xxh3_64_intdigest(body), len(description)) + body
+
+
+def _decode(data: bytes) -> Opened | None:
+    if len(data) < _HEAD.size:
+        return None
+    magic, digest, length = _HEAD.unpack_from(data)
+    body = data[_HEAD.size :]
+    if magic != _MAGIC or length > len(body) or xxhash.xxh3_64_intdigest(body) != digest:
+        return None
+    try:
+        description = json.loads(body[:length])
+        fronts = []
+        position = length
+        for file, header_length in zip(description["files"], description["header_lengths"], strict=True):
+            etag = file["etag"]
+            if etag is not None and not isinstance(etag, str):
+                return None
+            info = ObjectInfo(S3Uri(str(file["bucket"]), str(file["key"])), int(file["size"]), etag)
+            fronts.append(Front(info, body[position : position + int(header_length)]))
+            position += int(header_length)
+        source = ResolvedSource(
+            paths=tuple(str(p) for p in description["paths"]),
+            weight_map={str(k): str(v) for k, v in description["weight_map"].items()},
+            index_path=description["index_path"],
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if position != len(body):
+        return None
+    return Opened(source, tuple(fronts))
