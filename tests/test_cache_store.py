@@ -208,6 +208,8 @@ def test_a_note_reads_back_as_the_open_it_noted_with_each_header_whole(tmp_path:
     notes = OpenNotes(str(tmp_path))
     key = note_key("http://127.0.0.1:9", ["s3://bucket/m/model.safetensors.index.json"])
     assert notes.read(key) is None
+    (tmp_path / "opens").mkdir()
+    (tmp_path / "opens" / f"{key}.note.tmp.999999999.1").write_bytes(b"torn by kill -9")
     notes.write(key, Opened(source, fronts))
     got = notes.read(key)
     assert got is not None and got.source == source

@@ -8,8 +8,9 @@ same (``CachedS3Storage``, ``CacheFeed``).
 
 Layout: ``<dir>/opens/<key>.note``, ``key`` a hash of the endpoint and the source's text. A note
 is magic, the xxh3_64 of the rest, the length of a JSON description, the description, and the
-headers back to back; written under a temporary name renamed into place. A note that is torn,
-foreign or unreadable is no note: the open goes to S3 as without one.
+headers back to back; written under a temporary name renamed into place (those of processes that
+died mid-write are removed at the next write). A note that is torn, foreign or unreadable is no
+note: the open goes to S3 as without one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import xxhash
 
 from streamer.backends.base import Front, Opened
+from streamer.backends.cache.store import writer_alive
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
 from streamer.errors import StreamerError
 from streamer.format.safetensors import header_end
@@ -71,6 +73,15 @@ class OpenNotes:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
+        self._clean()
+
+    def _clean(self) -> None:
+        """Removes the temporary notes of processes that no longer run (``kill -9`` mid-write)."""
+        with contextlib.suppress(OSError), os.scandir(self._dir) as entries:
+            for entry in entries:
+                if _TMP in entry.name and not writer_alive(entry.name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
 
 
 def _encode(opened: Opened) -> bytes | None:

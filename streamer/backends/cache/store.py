@@ -339,7 +339,7 @@ class ChunkStore:
                     if entry.name.endswith(_SUFFIX):
                         stat = entry.stat()
                         found.append((entry.path, stat.st_size, stat.st_mtime))
-                    elif clean and _TMP in entry.name and not _alive(entry.name):
+                    elif clean and _TMP in entry.name and not writer_alive(entry.name):
                         os.unlink(entry.path)
                 except OSError:
                     continue
@@ -380,7 +380,7 @@ def _write_all(fd: int, data: bytes | memoryview, position: int) -> None:
         position += written
 
 
-def _alive(temporary_name: str) -> bool:
+def writer_alive(temporary_name: str) -> bool:
     """Whether the process that named this temporary file (``...tmp.<pid>.<thread>``) still runs."""
     try:
         pid = int(temporary_name.rsplit(_TMP, 1)[1].split(".")[0])
