@@ -35,6 +35,7 @@ from streamer.sources import ResolvedSource
 _MAGIC = b"STRMOP01"
 _HEAD = struct.Struct("<8sQQ")  # magic, xxh3_64 of everything after the head, JSON length
 _TMP = ".tmp."
+_MAX_BYTES = 64 << 20  # larger notes are neither written nor read (a note is read whole)
 
 
 def note_key(endpoint: str | None, texts: Sequence[str]) -> str:
@@ -52,16 +53,16 @@ class OpenNotes:
     def read(self, key: str) -> Opened | None:
         try:
             with open(os.path.join(self._dir, f"{key}.note"), "rb") as file:
-                data = file.read()
+                data = file.read(_MAX_BYTES + 1)
         except OSError:
             return None
-        return _decode(data)
+        return _decode(data) if len(data) <= _MAX_BYTES else None
 
     def write(self, key: str, opened: Opened) -> None:
         """Notes ``opened``, if every front holds its file's whole header (else there is no note:
         a provisional open must need nothing more from S3 to be parsed)."""
         data = _encode(opened)
-        if data is None:
+        if data is None or len(data) > _MAX_BYTES:
             return
         path = os.path.join(self._dir, f"{key}.note")
         temporary = f"{path}{_TMP}{os.getpid()}.{threading.get_ident()}"
