@@ -39,6 +39,7 @@ from conftest import (
     thread_count,
     write_checkpoint,
 )
+from s3_faults import FaultProxy
 
 import streamer
 from streamer import CacheConfig, StreamerConfig
@@ -506,6 +507,10 @@ def test_vllm_plugin_cache_keys(tmp_path: Path) -> None:
 # --- provisional opens: a hit reads from the cache's note of the source while S3 answers ----------
 
 
+def any_request(method: str, path: str, headers: Any) -> bool:
+    return True
+
+
 def note_files(cache_dir: Path) -> list[Path]:
     return sorted(cache_dir.glob("opens/*.note"))
 
@@ -666,3 +671,53 @@ def test_no_note_when_a_header_is_longer_than_the_front_read(
     got, metrics = load(prefix(s3_server), config)
     assert_same_dict(got, reference_load(model.shards))
     assert metrics["requests"] == 0
+
+
+@pytest.mark.parametrize("kind", ["503", "reset", "short", "stall"])
+def test_a_server_failing_while_it_confirms_a_note_is_retried_or_a_typed_error(
+    s3_server: str, model: Written, tmp_path: Path, kind: str
+) -> None:
+    """The open that confirms a note meets the server's faults (on every GET, the listing's too):
+    a few are retried and the hit is bit-exact; persistent ones end the load with a typed S3 error
+    within the retry bounds, nothing handed on and nothing left running."""
+    host, port = s3_server.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port)), stall_seconds=3.0)
+    try:
+        config = cfg(proxy.endpoint_url, tmp_path)
+        load(prefix(s3_server), config)  # fills the cache and notes the source, through the proxy
+        proxy.inject(kind, times=2, match=any_request)
+        got, metrics = load(prefix(s3_server), config)
+        assert_same_dict(got, reference_load(model.shards))
+        assert proxy.injected == 2 and metrics["cache_hit_bytes"] == metrics["bytes"]
+        threads = thread_count()
+        proxy.inject(kind, times=None, match=any_request)
+        handed: list[str] = []
+        source = prefix(s3_server)
+        with pytest.raises(streamer.S3Error) as caught, streamer.open(source, config=config) as handle:
+            handed.extend(name for name, _ in handle)
+        assert not handed and caught.value.attempts >= 1
+    finally:
+        proxy.close()
+    until = time.monotonic() + 5
+    while thread_count() > threads and time.monotonic() < until:
+        time.sleep(0.05)
+    assert thread_count() <= threads
+    assert not [t for t in threading.enumerate() if t.name.startswith("streamer")]
+
+
+def test_a_note_of_objects_now_denied_is_an_access_error_not_a_hit(
+    s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    host, port = s3_server.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port)))
+    try:
+        config = cfg(proxy.endpoint_url, tmp_path)
+        load(prefix(s3_server), config)
+        proxy.inject("403", times=None, match=any_request)
+        with pytest.raises(streamer.S3SourceError, match="access denied") as caught:
+            load(prefix(s3_server), config)
+        assert caught.value.status == 403 and caught.value.attempts == 1
+        with pytest.raises(streamer.S3SourceError, match="access denied"):
+            streamer.load_into({}, prefix(s3_server), config=config, strict=False)
+    finally:
+        proxy.close()
