@@ -7,7 +7,7 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, NamedTuple
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from streamer.backends import open_storage
 from streamer.backends.base import ReadCost, StaleOpen, Storage
-from streamer.checkpoint import Checkpoint, TensorRef, checkpoint_of, confirmed, read_checkpoint
+from streamer.checkpoint import Checkpoint, TensorRef, confirmed, read_checkpoint
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine, parse_device
 from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
@@ -141,7 +141,7 @@ class Streamer:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data in the checkpoint: what a full read loads (for progress bars)."""
-        return sum(ref.entry.nbytes for ref in self.checkpoint.refs())
+        return self.checkpoint.nbytes
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -165,12 +165,10 @@ class Streamer:
         not and the checkpoint was replaced by the fresh one."""
         if not self._provisional:
             return False
-        fresh = self._storage.confirm_open()
+        checkpoint = confirmed(self._storage, self._checkpoint)
         self._provisional = False
-        if fresh is None:
-            return False
-        self._checkpoint = checkpoint_of(self._storage, fresh)
-        return True
+        replaced, self._checkpoint = checkpoint is not self._checkpoint, checkpoint
+        return replaced
 
     @property
     def read_cost(self) -> ReadCost:
@@ -344,13 +342,7 @@ class Streamer:
             )
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
-        staged = functools.partial(
-            StagedSink,
-            staging,
-            self.config,
-            request_bytes=self._storage.read_cost.request_bytes,
-            reads_in_flight=self._storage.reads_in_flight(self.config),
-        )
+        staged = _staged_sink(staging, self.config, self._storage)
         return Run(self._checkpoint, refs, self.config, staged, ordered=ordered, storage=self._storage)
 
     def _stop(self) -> None:
@@ -422,8 +414,7 @@ def load(
         loaded: dict[str, torch.Tensor] = {}
         # The bar's total from the checkpoint as opened: asking ``nbytes`` would wait for a
         # provisional open to be confirmed, which the pass itself does while reading.
-        total = sum(ref.entry.nbytes for ref in handle._checkpoint.refs())
-        with ByteProgress(total, enabled=progress) as bar:
+        with ByteProgress(handle._checkpoint.nbytes, enabled=progress) as bar:
             for name, tensor in handle._iterate(keep_all=True):
                 loaded[name] = tensor
                 bar.update(tensor.nbytes)
@@ -491,14 +482,14 @@ def load_into(
         try:
             incompatible = _load_into(dest, storage, checkpoint, config, strict, group)
         except StreamerError:
-            fresh = storage.confirm_open()
-            if fresh is None:
+            fresh = confirmed(storage, checkpoint)
+            if fresh is checkpoint:
                 raise
         else:
-            fresh = storage.confirm_open()
-            if fresh is None:
+            fresh = confirmed(storage, checkpoint)
+            if fresh is checkpoint:
                 return incompatible
-        return _load_into(dest, storage, checkpoint_of(storage, fresh), config, strict, group)
+        return _load_into(dest, storage, fresh, config, strict, group)
 
 
 def _load_into(
@@ -587,12 +578,17 @@ def _fill(
     refs = [checkpoint.tensors[name] for name in dest if checkpoint.tensors[name].entry.nbytes > 0]
     engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
     staging = Staging(device, engine, functools.partial(ExistingTensors, dest), rings)
-    staged = functools.partial(
+    staged = _staged_sink(staging, config, storage)
+    for _ in Run(checkpoint, refs, config, staged, ordered=False, storage=storage).results():
+        pass
+
+
+def _staged_sink(staging: Staging, config: StreamerConfig, storage: Storage) -> Callable[..., StagedSink]:
+    """How a staged run makes its sink: requests and the default ring sized by ``storage``'s reads."""
+    return functools.partial(
         StagedSink,
         staging,
         config,
         request_bytes=storage.read_cost.request_bytes,
         reads_in_flight=storage.reads_in_flight(config),
     )
-    for _ in Run(checkpoint, refs, config, staged, ordered=False, storage=storage).results():
-        pass

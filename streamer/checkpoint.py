@@ -53,6 +53,11 @@ class Checkpoint:
     def refs(self) -> Iterator[TensorRef]:
         return iter(self.tensors.values())
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data: what a full read loads."""
+        return sum(ref.entry.nbytes for ref in self.tensors.values())
+
 
 def open_checkpoint(source: SourceLike, s3_config: S3Config | None = None) -> Checkpoint:
     """Resolves the source and parses every header through a storage session of its own, closed

@@ -26,6 +26,12 @@ class ResolvedSource:
     index_path: str | None = None
 
 
+def source_texts(source: SourceLike) -> list[str]:
+    """The paths or URIs a source names: itself, or each item of a list."""
+    items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    return [os.fspath(item) for item in items]
+
+
 def resolve(source: SourceLike) -> ResolvedSource:
     """Turns a user's source into files; nothing is read but directory listings and the index."""
     if isinstance(source, (str, os.PathLike)):

@@ -465,8 +465,7 @@ class CacheFeed(ExternalFeed):
             served.outstanding -= 1
             if served.outstanding:
                 return
-        served.view.release()
-        with self._mutex:
+            served.view.release()
             go = self._go
             if go is None and served.error is None:
                 self._held.append(served.block)  # credited (or failed) by the go-ahead

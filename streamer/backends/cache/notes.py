@@ -16,7 +16,6 @@ note: the open goes to S3 as without one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import struct
@@ -26,7 +25,7 @@ from collections.abc import Sequence
 import xxhash
 
 from streamer.backends.base import Front, Opened
-from streamer.backends.cache.store import writer_alive
+from streamer.backends.cache.store import hashed_name, writer_alive
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
 from streamer.errors import StreamerError
 from streamer.format.safetensors import header_end
@@ -40,8 +39,7 @@ _MAX_BYTES = 64 << 20  # larger notes are neither written nor read (a note is re
 
 def note_key(endpoint: str | None, texts: Sequence[str]) -> str:
     """The note's name for a source given as ``texts`` (one URI, or a list of object URIs)."""
-    joined = "\0".join((endpoint or "", *texts))
-    return hashlib.sha256(joined.encode()).hexdigest()[:32]
+    return hashed_name(endpoint or "", *texts)
 
 
 class OpenNotes:

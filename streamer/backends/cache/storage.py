@@ -11,7 +11,6 @@ otherwise the run fails with ``StaleOpen`` and is planned again from the fresh o
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -32,7 +31,7 @@ from streamer.backends.cache.store import ChunkStore, identity
 from streamer.backends.s3.storage import S3Storage, s3_object
 from streamer.config import CacheConfig
 from streamer.engine import native
-from streamer.sources import SourceLike
+from streamer.sources import SourceLike, source_texts
 
 
 class CachedS3Storage(Storage):
@@ -56,23 +55,16 @@ class CachedS3Storage(Storage):
         self._confirmations: list[_Confirmation] = []  # every one started, joined by close()
 
     def open(self, source: SourceLike) -> Opened:
-        items = [source] if isinstance(source, (str, os.PathLike)) else list(source)
-        texts = [os.fspath(item) for item in items]
-        key = note_key(self._endpoint, texts)
+        key = note_key(self._endpoint, source_texts(source))
         noted = self._notes.read(key)
         if noted is None:
             self._confirmation = None
             opened = self._inner.open(source)
             self._notes.write(key, opened)
             return opened
-
-        def fresh() -> Opened:
-            opened = self._inner.open(source)
-            if not _same(noted, opened):
-                self._notes.write(key, opened)
-            return opened
-
-        self._confirmation = _Confirmation(noted, fresh)
+        self._confirmation = _Confirmation(
+            noted, lambda: self._inner.open(source), lambda fresh: self._notes.write(key, fresh)
+        )
         self._confirmations.append(self._confirmation)
         return noted
 
@@ -114,35 +106,43 @@ class CachedS3Storage(Storage):
 
 
 class _Confirmation:
-    """A provisional open (``noted``) and its confirmation by S3, on a thread of its own."""
+    """A provisional open (``noted``) and its confirmation by S3, on a thread of its own; a fresh
+    open that differs is given to ``note``."""
 
-    def __init__(self, noted: Opened, open_fresh: Callable[[], Opened]) -> None:
+    def __init__(
+        self, noted: Opened, open_fresh: Callable[[], Opened], note: Callable[[Opened], None]
+    ) -> None:
         self._noted = noted
         self._open_fresh = open_fresh
-        self._answer: Future[Opened] = Future()
+        self._note = note
+        self._answer: Future[Opened | None] = Future()  # None: the noted open stands
         self._thread = threading.Thread(target=self._confirm, name="streamer-cache-confirm", daemon=True)
         self._thread.start()
 
     def _confirm(self) -> None:
         try:
-            self._answer.set_result(self._open_fresh())
+            fresh = self._open_fresh()
+            changed = None if _same(self._noted, fresh) else fresh
+            if changed is not None:
+                self._note(changed)
         except BaseException as error:  # S3's typed answer, or a bug's: whoever waits must hear it
             self._answer.set_exception(error)
+            return
+        self._answer.set_result(changed)
 
     def fresh(self) -> Opened | None:
         """Waits for S3: None when the provisional open stands, else the fresh one."""
-        opened = self._answer.result()
-        return None if _same(self._noted, opened) else opened
+        return self._answer.result()
 
     def go_ahead(self, files: Sequence[StoredFile]) -> Future[None]:
         """Done once S3 has answered: with no result when every one of ``files`` (a run's, from
         the provisional open or the fresh one) is an object S3 still has, else with the error."""
         ahead: Future[None] = Future()
 
-        def settle(answer: Future[Opened]) -> None:
+        def settle(answer: Future[Opened | None]) -> None:
             error = answer.exception()
             if error is None:
-                current = {front.file for front in answer.result().fronts}
+                current = {front.file for front in (answer.result() or self._noted).fronts}
                 changed = [file for file in files if file not in current]
                 if changed:
                     error = StaleOpen(

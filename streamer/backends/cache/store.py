@@ -63,8 +63,12 @@ class CacheWarning(RuntimeWarning):
 
 def identity(endpoint: str | None, bucket: str, key: str, size: int, etag: str | None) -> str:
     """The directory name of one version of an object."""
-    text = "\0".join((endpoint or "", bucket, key, str(size), etag or ""))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return hashed_name(endpoint or "", bucket, key, str(size), etag or "")
+
+
+def hashed_name(*parts: str) -> str:
+    """A file name standing for ``parts`` (joined by NUL, which no part holds)."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
 class ChunkBuffer:

@@ -11,7 +11,6 @@ until ``close()``.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 
 from streamer.backends.base import Feed, Front, Named, Opened, Range, Span, Storage, StoredFile
@@ -21,7 +20,7 @@ from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
 from streamer.config import S3Config
 from streamer.engine import native
 from streamer.errors import S3SourceError, SourceError, StreamerError
-from streamer.sources import INDEX_SUFFIX, ResolvedSource, SourceLike, parse_index
+from streamer.sources import INDEX_SUFFIX, ResolvedSource, SourceLike, parse_index, source_texts
 
 _SUFFIX = ".safetensors"
 _HEADER_REQUESTS = 32  # header GETs in flight at once
@@ -36,8 +35,7 @@ class S3Storage(Storage):
         self._holder = ClientHolder(config)
 
     def open(self, source: SourceLike) -> Opened:
-        texts = [source] if isinstance(source, (str, os.PathLike)) else list(source)
-        uris = [parse_uri(os.fspath(t)) for t in texts]
+        uris = [parse_uri(text) for text in source_texts(source)]
         client = self._holder.get()
         return client.call(_open(client, uris, single=len(uris) == 1))
 
