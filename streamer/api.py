@@ -342,8 +342,9 @@ class Streamer:
             )
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
-        staged = _staged_sink(staging, self.config, self._storage)
-        return Run(self._checkpoint, refs, self.config, staged, ordered=ordered, storage=self._storage)
+        config = self.config.for_staged()
+        staged = _staged_sink(staging, config, self._storage)
+        return Run(self._checkpoint, refs, config, staged, ordered=ordered, storage=self._storage)
 
     def _stop(self) -> None:
         iteration = self._iteration() if self._iteration is not None else None
@@ -578,6 +579,7 @@ def _fill(
     refs = [checkpoint.tensors[name] for name in dest if checkpoint.tensors[name].entry.nbytes > 0]
     engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
     staging = Staging(device, engine, functools.partial(ExistingTensors, dest), rings)
+    config = config.for_staged()
     staged = _staged_sink(staging, config, storage)
     for _ in Run(checkpoint, refs, config, staged, ordered=False, storage=storage).results():
         pass

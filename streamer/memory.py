@@ -41,7 +41,7 @@ def streaming_budget(
         return StreamingBudget(config.explicit_memory_limit, "user")
     probe = available if available is not None else available_memory
     return auto_budget(
-        max(tensor_bytes, default=0), in_flight=config.concurrency * config.block_size, available=probe()
+        max(tensor_bytes, default=0), in_flight=config.readers() * config.block_size, available=probe()
     )
 
 

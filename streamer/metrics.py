@@ -15,6 +15,7 @@ class LoadMetrics:
     tensors: int = 0
     bytes: int = 0
     blocks: int = 0
+    readers: int = 0  # the engine's reader threads (1 where the storage fetches the bytes itself)
     seconds: float = 0.0
     time_to_first_tensor: float | None = None
     consumer_wait_seconds: float = 0.0
@@ -75,6 +76,7 @@ class LoadMetrics:
             "gb_per_s": self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0,
             "time_to_first_tensor_s": self.time_to_first_tensor,
             "blocks": self.blocks,
+            "readers": self.readers,
             "direct_files": self.storage.get("direct_files", 0),  # local files read with O_DIRECT
             "buffered_files": self.storage.get("buffered_files", 0),  # local files read through the cache
             "consumer_wait_s": self.consumer_wait_seconds,

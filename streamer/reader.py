@@ -38,7 +38,8 @@ def open_reader(
     for unit in units:
         begin, end = spans.get(unit.file, (unit.begin, unit.end))
         spans[unit.file] = (min(begin, unit.begin), max(end, unit.end))
-    engine = native.Engine(config.concurrency if storage.reads_in_engine and files else 1, units)
+    metrics.readers = config.readers() if storage.reads_in_engine and files else 1
+    engine = native.Engine(metrics.readers, units)
     try:
         feed = storage.feed(
             engine,

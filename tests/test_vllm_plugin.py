@@ -26,7 +26,7 @@ def test_no_keys_keeps_streamer_defaults_and_its_auto_budget(monkeypatch: pytest
     monkeypatch.delenv("STREAMER_MEMORY_LIMIT", raising=False)
     options = parse_options({})
     assert options.weights is None
-    assert options.config.concurrency == 8
+    assert options.config.concurrency is None  # derived from the machine (StreamerConfig.readers)
     assert options.config.memory_limit is None  # auto: sized from the checkpoint when it streams
     assert parse_options(None) == options
     monkeypatch.setenv("STREAMER_MEMORY_LIMIT", "64MiB")

@@ -48,7 +48,7 @@ class LocalStorage(Storage):
         self._config = config
 
     def reads_in_flight(self, config: StreamerConfig) -> int:
-        return config.concurrency * config.block_size
+        return config.readers() * config.block_size
 
     def open(self, source: SourceLike) -> Opened:
         resolved = resolve(source)

@@ -404,8 +404,7 @@ def _share_config(config: StreamerConfig, storage: Storage, piece_bytes: int) ->
     round, where first touch (zeroing pages) is what fresh memory costs."""
     if config.memory_limit is not None:
         return config
-    readers = config.concurrency if storage.reads_in_engine else config.s3.concurrency
-    return dataclasses.replace(config, memory_limit=2 * piece_bytes + readers * config.block_size)
+    return dataclasses.replace(config, memory_limit=2 * piece_bytes + storage.reads_in_flight(config))
 
 
 def _piece_name(index: int) -> str:
