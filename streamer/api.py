@@ -7,7 +7,7 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, NamedTuple
 
@@ -342,9 +342,7 @@ class Streamer:
             )
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
-        config = self.config.for_staged()
-        staged = _staged_sink(staging, config, self._storage)
-        return Run(self._checkpoint, refs, config, staged, ordered=ordered, storage=self._storage)
+        return _staged_run(self._checkpoint, refs, self.config, staging, self._storage, ordered=ordered)
 
     def _stop(self) -> None:
         iteration = self._iteration() if self._iteration is not None else None
@@ -579,18 +577,27 @@ def _fill(
     refs = [checkpoint.tensors[name] for name in dest if checkpoint.tensors[name].entry.nbytes > 0]
     engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
     staging = Staging(device, engine, functools.partial(ExistingTensors, dest), rings)
-    config = config.for_staged()
-    staged = _staged_sink(staging, config, storage)
-    for _ in Run(checkpoint, refs, config, staged, ordered=False, storage=storage).results():
+    for _ in _staged_run(checkpoint, refs, config, staging, storage, ordered=False).results():
         pass
 
 
-def _staged_sink(staging: Staging, config: StreamerConfig, storage: Storage) -> Callable[..., StagedSink]:
-    """How a staged run makes its sink: requests and the default ring sized by ``storage``'s reads."""
-    return functools.partial(
+def _staged_run(
+    checkpoint: Checkpoint,
+    refs: Sequence[TensorRef],
+    config: StreamerConfig,
+    staging: Staging,
+    storage: Storage,
+    *,
+    ordered: bool,
+) -> Run:
+    """A run through the ring: the staged reader count, requests and the default ring sized by
+    ``storage``'s reads."""
+    config = config.for_staged()
+    sink = functools.partial(
         StagedSink,
         staging,
         config,
         request_bytes=storage.read_cost.request_bytes,
         reads_in_flight=storage.reads_in_flight(config),
     )
+    return Run(checkpoint, refs, config, sink, ordered=ordered, storage=storage)
