@@ -448,6 +448,41 @@ def test_python_read_ceiling_without_fio(tmp_path: Path) -> None:
     assert [s["jobs"] for s in found[0].samples] == list(ceilings.JOB_COUNTS)
 
 
+def test_a_ceiling_sample_whose_preparation_fails_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    made = synthetic.generate(tmp_path, 8 * MiB, 2)
+    prepared = 0
+
+    def flaky_prepare() -> None:
+        nonlocal prepared
+        prepared += 1
+        if prepared == 2:
+            raise cache.CacheStateError("files could not be fully cached")
+
+    (found,) = ceilings.storage_ceilings(
+        made.files, "warm", flaky_prepare, modes=("buffered",), use_fio=False
+    )
+    assert [s.get("error") for s in found.samples] == [None, "files could not be fully cached", None, None]
+    assert found.gbps is not None and found.gbps > 0
+
+
+def test_make_warm_reads_again_what_went_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages reclaimed between the read and the check are read again, not reported as a failure."""
+    made = synthetic.generate(tmp_path, 8 * MiB, 2)
+    sizes = {path: path.stat().st_size for path in made.files}
+    short = sizes[made.files[0]] - 4096
+    answers = iter([0, short, short])  # first file: nothing cached, then a page short after its read
+    reads: list[Path] = []
+
+    def resident(files: list[Path]) -> int:
+        (path,) = files
+        return next(answers, sizes[path]) if path == made.files[0] else sizes[path]
+
+    monkeypatch.setattr(cache, "resident_bytes", resident)
+    monkeypatch.setattr(cache, "_read_through", reads.append)
+    assert cache.make_warm(made.files) == 0
+    assert reads == [made.files[0], made.files[0]]
+
+
 def test_read_ceiling_is_the_best_median_not_the_best_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

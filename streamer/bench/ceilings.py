@@ -169,7 +169,8 @@ def storage_ceilings(
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[Ceiling]:
     """Sequential read rate per mode: the best, over 1..8 readers, of the median of ``repeat``
-    runs (rounds interleave the reader counts); ``prepare`` resets the cache state.
+    runs (rounds interleave the reader counts); ``prepare`` resets the cache state, and a sample
+    it fails (a ``RuntimeError``, such as ``CacheStateError``) is recorded as that sample's error.
 
     A median, not the best single run: on shared VMs one cold run in several is 2-3x the others,
     and a ceiling picked from single samples would measure that luck, not the storage.
@@ -184,8 +185,8 @@ def storage_ceilings(
         for run in range(1, repeat + 1):
             for jobs in JOB_COUNTS:
                 progress(f"{cache} read ceiling: {method} {mode}, {jobs} job(s), run {run}/{repeat}")
-                prepare()
                 try:
+                    prepare()
                     nbytes, seconds = rate(_slices(files, jobs, direct), direct)
                 except (OSError, RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
                     ceiling.samples.append({"jobs": jobs, "error": str(exc)[:300]})
