@@ -129,4 +129,3 @@ def _most_blocks(units: Sequence[native.Unit], block_size: int) -> int:
     """An upper bound on the blocks a run over ``units`` reads: a span of ``n`` bytes meets at most
     ``n // block_size + 2`` cells of the block grid (blocks may be aligned outwards, or shared)."""
     return max(1, sum((unit.end - unit.begin) // block_size + 2 for unit in units))
-

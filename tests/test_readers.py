@@ -29,12 +29,11 @@ from streamer.config import (
 )
 def test_loads_into_cpu_memory_use_the_cores_within_8_to_16(cores: int, expected: int) -> None:
     assert (MIN_READERS, MAX_READERS) == (8, 16)
-    assert default_readers(cores=cores, staged=False) == expected
+    assert default_readers(cores=cores) == expected
 
 
-@pytest.mark.parametrize("cores", [1, 2, 16, 64])
-def test_staged_loads_keep_8_readers(cores: int) -> None:
-    assert default_readers(cores=cores, staged=True) == STAGED_READERS == 8
+def test_staged_loads_keep_8_readers() -> None:
+    assert StreamerConfig(concurrency=None).for_staged().readers() == STAGED_READERS == 8
 
 
 def _cgroup_v2(root: Path, own: str, limits: dict[str, str]) -> Path:
@@ -88,7 +87,7 @@ def test_the_environment_or_the_user_overrides_the_machine(monkeypatch: pytest.M
     monkeypatch.delenv("STREAMER_CONCURRENCY", raising=False)
     auto = StreamerConfig()
     assert auto.concurrency is None
-    assert auto.readers() == default_readers(cores=usable_cores(), staged=False)
+    assert auto.readers() == default_readers(cores=usable_cores())
     assert auto.for_staged().readers() == STAGED_READERS
     explicit = StreamerConfig(concurrency=3)
     assert explicit.readers() == 3 and explicit.for_staged() is explicit
