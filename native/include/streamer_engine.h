@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped on every change to a struct layout, a signature or a constant below. The binding
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
-#define SE_ABI_VERSION 4
+#define SE_ABI_VERSION 5
 
 /* O_DIRECT reads need offset, length and destination on multiples of this. */
 #define SE_DIRECT_ALIGNMENT 4096
@@ -43,6 +43,13 @@ extern "C" {
 #define SE_ERR_INVALID (-6)   /* bad argument (index out of range, bad range, ...) */
 #define SE_ERR_THREAD (-7)    /* a worker thread could not be started */
 #define SE_ERR_EXTERNAL (-8)  /* an external reader failed (se_engine_fail); it knows why */
+#define SE_ERR_FILL (-9)      /* placing read bytes through the page fill failed; sys_errno says why */
+
+/* se_block.flags */
+#define SE_BLOCK_FILL 1 /* place the block's pages through the engine's page fill (se_engine_set_fill) */
+
+/* Bytes a page-fill block is read in at a time, through a buffer of each reader's own. */
+#define SE_FILL_CHUNK 1048576
 
 /*
  * A unit completes once `need` bytes of [begin, end) of its file have been credited: all of them
@@ -65,11 +72,17 @@ typedef struct se_unit {
  * only the credited part is read (into dst + acc_begin - read_offset), the rest
  * of dst is left as it was. Blocks of an O_DIRECT file whose offset, length or
  * dst is off SE_DIRECT_ALIGNMENT are read buffered.
+ *
+ * A block flagged SE_BLOCK_FILL reads all of its range, SE_FILL_CHUNK bytes at a time, into a
+ * buffer of the reader's own, and places each chunk's whole pages into dst with the page fill
+ * (see se_fill_open): its dst, read_offset and read_length must be multiples of
+ * SE_DIRECT_ALIGNMENT, and a last page cut short by the end of the file is completed with zeros.
  */
 typedef struct se_block {
     int32_t file;
     uint32_t first_unit;
     uint32_t last_unit; /* inclusive */
+    uint32_t flags;     /* SE_BLOCK_* */
     uint64_t acc_begin;
     uint64_t acc_end;
     uint64_t read_offset;
@@ -90,6 +103,7 @@ typedef struct se_error_info {
 typedef struct se_stats {
     uint64_t bytes_read;  /* bytes returned by pread */
     uint64_t blocks_done; /* blocks fully read */
+    uint64_t bytes_filled; /* bytes placed through the page fill (whole pages) */
     double read_seconds;  /* summed over workers: time inside pread */
     double idle_seconds;  /* summed over workers: time waiting for a block */
 } se_stats;
@@ -132,8 +146,34 @@ int32_t se_engine_add_external_file(se_engine *engine);
 int32_t se_engine_credit(se_engine *engine, const se_block *block);
 int32_t se_engine_fail(se_engine *engine, const se_error_info *info);
 
+/*
+ * Page fill: fresh destination pages are created already holding the bytes read (userfaultfd's
+ * UFFDIO_COPY), instead of being zeroed by a page fault and then written: on 4 KiB pages that
+ * fault, not the copy, is what loading into fresh memory costs.
+ *
+ * se_fill_open() makes a page fill (a userfaultfd that takes no faults from the kernel, so an
+ * unprivileged process may open it) and stores its descriptor in *fill_fd; it returns SE_OK, or
+ * SE_ERR_INVALID with *sys_errno set where the kernel or a seccomp filter refuses (before Linux
+ * 5.11: EINVAL; containers: often EPERM or ENOSYS). se_fill_register() makes the pages of
+ * [ptr, ptr + size) of memory from se_alloc() (page-aligned, whole pages) fillable; until
+ * se_fill_unregister() (or se_fill_close()), a page of it nobody filled must not be touched: a
+ * read or write from user space waits until it is filled, from the kernel it fails (EFAULT).
+ * Both return SE_OK or SE_ERR_INVALID with *sys_errno set. se_fill_close() closes the
+ * descriptor, which unregisters whatever is still registered; -1 is a no-op.
+ *
+ * se_engine_set_fill() lends the engine a page fill for its SE_BLOCK_FILL blocks; the caller keeps
+ * it open until se_engine_destroy() returns. A filled page that already exists (EEXIST) is
+ * written plainly; any other refusal fails the run with SE_ERR_FILL.
+ */
+int32_t se_fill_open(int32_t *fill_fd, int32_t *sys_errno);
+int32_t se_fill_register(int32_t fill_fd, void *ptr, size_t size, int32_t *sys_errno);
+int32_t se_fill_unregister(int32_t fill_fd, void *ptr, size_t size, int32_t *sys_errno);
+void se_fill_close(int32_t fill_fd);
+int32_t se_engine_set_fill(se_engine *engine, int32_t fill_fd);
+
 /* Queues blocks behind those already queued (FIFO). A batch with an invalid block
- * (bad index, empty or misplaced credited range, a unit of another file) is
+ * (bad index, empty or misplaced credited range, a unit of another file, an unknown flag, a
+ * SE_BLOCK_FILL block that is off the alignment or of an engine without a page fill) is
  * rejected whole with SE_ERR_INVALID. */
 int32_t se_engine_submit(se_engine *engine, const se_block *blocks, size_t n_blocks);
 

@@ -4,6 +4,7 @@
  * single lock keeps the invariants easy to read.
  */
 #define _GNU_SOURCE
+#include "fill.h"
 #include "streamer_engine.h"
 
 #include <errno.h>
@@ -43,6 +44,8 @@ struct se_engine {
     uint32_t *done; /* completed unit ids; each unit appears at most once */
     size_t done_head;
     size_t done_tail;
+
+    int fill_fd; /* the page fill SE_BLOCK_FILL blocks go through (borrowed), -1: none */
 
     int stopping; /* destroy: workers exit once idle */
     int cancelled;
@@ -97,6 +100,46 @@ static int32_t read_block(int fd, const se_block *b, uint64_t *got, int *sys_err
     return b->read_offset + done >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;
 }
 
+/* Reads a SE_BLOCK_FILL block chunk by chunk into bounce (SE_FILL_CHUNK bytes) and places each
+ * chunk's whole pages through the page fill, a last page cut short by the end of the file completed
+ * with zeros. Returns like read_block; SE_ERR_FILL with *sys_errno if placing failed. */
+static int32_t fill_block(int fd, int fill_fd, char *bounce, const se_block *b, uint64_t *got,
+                          uint64_t *filled, int *sys_errno) {
+    char *dst = (char *)b->dst;
+    uint64_t done = 0;
+    int at_end = 0;
+    while (done < b->read_length && !at_end) {
+        size_t want = b->read_length - done < SE_FILL_CHUNK ? (size_t)(b->read_length - done) : SE_FILL_CHUNK;
+        size_t have = 0;
+        while (have < want) {
+            ssize_t n = pread(fd, bounce + have, want - have, (off_t)(b->read_offset + done + have));
+            if (n < 0) {
+                if (errno == EINTR) {
+                    continue;
+                }
+                *got = done + have;
+                *sys_errno = errno;
+                return SE_ERR_READ;
+            }
+            have += (size_t)n;
+            if (n == 0 || (have < want && b->read_offset + done + have >= b->acc_end)) {
+                at_end = 1; /* end of file (see read_block) */
+                break;
+            }
+        }
+        size_t pages = (have + SE_DIRECT_ALIGNMENT - 1) / SE_DIRECT_ALIGNMENT * SE_DIRECT_ALIGNMENT;
+        memset(bounce + have, 0, pages - have);
+        if (pages > 0 && se_fill_place(fill_fd, dst + done, bounce, pages, sys_errno) != 0) {
+            *got = done;
+            return SE_ERR_FILL;
+        }
+        *filled += pages;
+        done += have;
+    }
+    *got = done;
+    return b->read_offset + done >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;
+}
+
 /* Caller holds the lock. Credits the block's bytes to the units it overlaps. */
 static void credit_units(se_engine *e, const se_block *b) {
     for (uint32_t u = b->first_unit; u <= b->last_unit; u++) {
@@ -126,8 +169,15 @@ static void trim_to_credited(se_block *b) {
     b->read_offset = b->acc_begin;
 }
 
+/* A worker's buffer for page-fill reads: aligned, so that O_DIRECT reads may land in it. */
+static char *new_bounce(void) {
+    void *memory = NULL;
+    return posix_memalign(&memory, SE_DIRECT_ALIGNMENT, SE_FILL_CHUNK) == 0 ? memory : NULL;
+}
+
 static void *worker_main(void *arg) {
     se_engine *e = (se_engine *)arg;
+    char *bounce = NULL; /* SE_FILL_CHUNK bytes, made at this worker's first SE_BLOCK_FILL block */
     pthread_mutex_lock(&e->lock);
     for (;;) {
         double idle_start = now_seconds();
@@ -140,21 +190,32 @@ static void *worker_main(void *arg) {
         }
         se_block block = e->queue[e->queue_head++];
         se_file file = e->files[block.file]; /* add_file may move the table once unlocked */
+        int fill = (block.flags & SE_BLOCK_FILL) != 0;
+        int fill_fd = e->fill_fd;
         int fd = file.fd != file.buffered_fd && !direct_aligned(&block) ? file.buffered_fd : file.fd;
-        if (fd == file.buffered_fd) {
+        if (fd == file.buffered_fd && !fill) {
             trim_to_credited(&block);
         }
         pthread_mutex_unlock(&e->lock);
 
         uint64_t got = 0;
+        uint64_t filled = 0;
         int sys_errno = 0;
         double read_start = now_seconds();
-        int32_t status = read_block(fd, &block, &got, &sys_errno);
+        int32_t status;
+        if (!fill) {
+            status = read_block(fd, &block, &got, &sys_errno);
+        } else if (bounce == NULL && (bounce = new_bounce()) == NULL) {
+            status = SE_ERR_NOMEM;
+        } else {
+            status = fill_block(fd, fill_fd, bounce, &block, &got, &filled, &sys_errno);
+        }
         double read_seconds = now_seconds() - read_start;
 
         pthread_mutex_lock(&e->lock);
         e->stats.read_seconds += read_seconds;
         e->stats.bytes_read += got;
+        e->stats.bytes_filled += filled;
         if (status != SE_OK) {
             record_error(e, status, sys_errno, &block, got);
         } else if (e->error.code == SE_OK) {
@@ -163,6 +224,7 @@ static void *worker_main(void *arg) {
         }
     }
     pthread_mutex_unlock(&e->lock);
+    free(bounce);
     return NULL;
 }
 
@@ -273,6 +335,7 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
         return NULL;
     }
     e->n_units = n_units;
+    e->fill_fd = -1;
     e->error.code = SE_OK;
     e->error.file = -1;
     e->n_workers = n_workers;
@@ -335,13 +398,31 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
     return index;
 }
 
+int32_t se_engine_set_fill(se_engine *e, int32_t fill_fd) {
+    if (fill_fd < 0) {
+        return SE_ERR_INVALID;
+    }
+    pthread_mutex_lock(&e->lock);
+    e->fill_fd = fill_fd;
+    pthread_mutex_unlock(&e->lock);
+    return SE_OK;
+}
+
 int32_t se_engine_add_external_file(se_engine *e) {
     return append_file(e, -1, -1);
 }
 
+/* A page-fill block places whole pages: it needs the engine's page fill and page-aligned numbers. */
+static int flags_are_valid(const se_engine *e, const se_block *b, int external) {
+    if (b->flags == 0) {
+        return 1;
+    }
+    return b->flags == SE_BLOCK_FILL && !external && e->fill_fd >= 0 && direct_aligned(b);
+}
+
 /* Caller holds the lock. external: the block must be of an external file (else of a local one). */
 static int block_is_valid(const se_engine *e, const se_block *b, int external) {
-    int valid = b->file >= 0 && b->file < e->n_files && (e->files[b->file].fd < 0) == external &&
+    int valid = flags_are_valid(e, b, external) && b->file >= 0 && b->file < e->n_files && (e->files[b->file].fd < 0) == external &&
            b->dst != NULL && b->first_unit <= b->last_unit &&
            b->last_unit < e->n_units && b->read_offset <= b->acc_begin && b->acc_begin < b->acc_end &&
            b->acc_end <= b->read_offset + b->read_length;

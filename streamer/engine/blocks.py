@@ -35,14 +35,15 @@ class Block(NamedTuple):
     read_offset: int
     read_length: int
     dst: int  # address, or an offset into a buffer until the run adds the buffer's address
+    flags: int = 0  # SE_BLOCK_* (BLOCK_FILL: placed through the run's page fill)
 
 
 # ``se_block``'s layout (the binding checks it against the header's when it loads the engine).
 BLOCK_DTYPE = np.dtype(
     {
         "names": list(Block._fields),
-        "formats": ["<i4", "<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8"],
-        "offsets": [0, 4, 8, 16, 24, 32, 40, 48],
+        "formats": ["<i4", "<u4", "<u4", "<u8", "<u8", "<u8", "<u8", "<u8", "<u4"],
+        "offsets": [0, 4, 8, 16, 24, 32, 40, 48, 12],
         "itemsize": 56,
     }
 )

@@ -75,6 +75,8 @@ ERR_CANCELLED = _CONSTANTS["SE_ERR_CANCELLED"]
 ERR_INVALID = _CONSTANTS["SE_ERR_INVALID"]
 ERR_THREAD = _CONSTANTS["SE_ERR_THREAD"]
 ERR_EXTERNAL = _CONSTANTS["SE_ERR_EXTERNAL"]
+ERR_FILL = _CONSTANTS["SE_ERR_FILL"]
+BLOCK_FILL = _CONSTANTS["SE_BLOCK_FILL"]
 
 ffi = cffi.FFI()
 ffi.cdef(_DECLARATIONS)
@@ -135,6 +137,7 @@ def _fill_block(entry: Any, block: Block) -> None:
     entry.read_offset = block.read_offset
     entry.read_length = block.read_length
     entry.dst = ffi.cast("void *", block.dst)
+    entry.flags = block.flags
 
 
 def _raise_status(status: int, what: str) -> None:
@@ -177,6 +180,12 @@ class Engine:
         if index < 0:
             _raise_status(index, f"opening {path}")
         return int(index), bool(is_direct[0])
+
+    def set_fill(self, fill: PageFill) -> None:
+        """Lends the engine ``fill`` for its ``BLOCK_FILL`` blocks; it must stay open until ``close``."""
+        status = self._lib.se_engine_set_fill(self._handle, fill.fd)
+        if status != OK:
+            _raise_status(status, "lending the page fill")
 
     def add_external_file(self) -> int:
         """Registers a file whose blocks another reader fetches and reports with ``credit``."""
@@ -243,6 +252,7 @@ class Engine:
         return {
             "bytes_read": out.bytes_read,
             "blocks_done": out.blocks_done,
+            "bytes_filled": out.bytes_filled,
             "read_seconds": out.read_seconds,
             "idle_seconds": out.idle_seconds,
         }
@@ -256,6 +266,41 @@ class Engine:
         handle, self._handle = self._handle, None
         if handle is not None:
             self._lib.se_engine_destroy(handle)
+
+
+class PageFill:
+    """Fresh pages created holding the bytes read into them (``se_fill_open``): no page fault, no
+    zeroing. A registered page must not be touched until it is filled or unregistered."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def open(cls) -> tuple[PageFill | None, str]:
+        """A page fill and "", or None and why not (the kernel or a seccomp filter refused)."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        if page != DIRECT_ALIGNMENT:  # blocks are cut in 4 KiB pages
+            return None, f"pages are {page} bytes, not {DIRECT_ALIGNMENT}"
+        fd = ffi.new("int32_t *")
+        sys_errno = ffi.new("int32_t *")
+        if _lib().se_fill_open(fd, sys_errno) != OK:
+            return None, f"userfaultfd refused: {os.strerror(sys_errno[0])}"
+        return cls(int(fd[0])), ""
+
+    def register(self, address: int, size: int) -> bool:
+        """Makes the pages of ``[address, address + size)`` fillable; False where the kernel refuses."""
+        sys_errno = ffi.new("int32_t *")
+        return bool(_lib().se_fill_register(self.fd, ffi.cast("void *", address), size, sys_errno) == OK)
+
+    def unregister(self, address: int, size: int) -> bool:
+        """Makes the range plain memory again; False where the kernel refuses."""
+        sys_errno = ffi.new("int32_t *")
+        return bool(_lib().se_fill_unregister(self.fd, ffi.cast("void *", address), size, sys_errno) == OK)
+
+    def close(self) -> None:
+        """Closes the descriptor, which unregisters everything still registered. Idempotent."""
+        fd, self.fd = self.fd, -1
+        _lib().se_fill_close(fd)
 
 
 # Smaller buffers keep 4 KiB pages (numpy's rule too): a huge page would be mostly waste.
