@@ -30,6 +30,7 @@ class LoadMetrics:
     ring_stalls: int = 0  # staged loads: times a read could not start because every slot was busy
     copies: int = 0  # staged loads: copies out of the ring
     prefault_bytes: int = 0  # CPU loads from S3: fresh buffer bytes faulted in ahead of the data
+    page_fill: str = ""  # CPU loads of local files: "on", why it is off, or "" where not tried
     engine: dict[str, float] = field(default_factory=dict)
     storage: dict[str, int] = field(default_factory=dict)  # the storage's own counters (Feed.stats)
     _started: float = 0.0
@@ -95,6 +96,8 @@ class LoadMetrics:
             "worker_idle_s": self.engine.get("idle_seconds", 0.0),
             "s3_files": self.storage.get("s3_files", 0),
             "prefault_bytes": self.prefault_bytes,
+            "page_fill": self.page_fill,
+            "filled_bytes": int(self.engine.get("bytes_filled", 0)),  # placed through the page fill
             "requests": self.storage.get("requests", 0),  # S3 requests, retries included
             "retries": self.storage.get("retries", 0),  # S3 tries that failed and were retried
             "cache_hit_bytes": self.storage.get("cache_hit_bytes", 0),  # cache: chunk bytes read from it

@@ -47,6 +47,15 @@ class Segment:
         return extents
 
 
+    def filled_extent(self, page: int) -> tuple[int, int] | None:
+        """The one extent of the buffer its blocks fill, when they tile it in whole ``page``s (so it
+        may be read through the page fill); None when they leave gaps or share a page."""
+        extents = self.read_extents()
+        if len(extents) != 1 or any((block.dst | block.read_length) % page for block in self.blocks):
+            return None
+        return extents[0]
+
+
 def align_down(value: int, alignment: int) -> int:
     return value - value % alignment
 

@@ -69,6 +69,10 @@ class Reader:
         self._tensors = tensors
         self._metrics = metrics
 
+    def set_fill(self, fill: native.PageFill) -> None:
+        """Lends the engine the page fill of the run's sink (which closes it after this reader)."""
+        self._engine.set_fill(fill)
+
     def submit(self, blocks: Sequence[native.Block]) -> None:
         assert self._feed is not None
         try:
@@ -120,6 +124,13 @@ def engine_error(paths: Sequence[str], tensors: Named, info: native.ErrorInfo) -
         )
     elif info.code == native.ERR_READ:
         message = f"read failed: {os.strerror(info.sys_errno)}"
+    elif info.code == native.ERR_FILL:
+        message = (
+            f"placing read bytes in memory failed: {os.strerror(info.sys_errno)} "
+            "(STREAMER_PAGE_FILL=0 reads without the page fill)"
+        )
+    elif info.code == native.ERR_NOMEM:
+        message = "out of memory for a reader's buffer"
     else:
         message = f"read failed with engine status {info.code}"
     return ReadError(message, path=paths[info.file], tensor=tensor, offset=info.offset)

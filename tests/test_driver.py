@@ -58,6 +58,10 @@ class PeerSink:
     def plan(self) -> list[native.Unit]:
         return self.units
 
+    @property
+    def page_fill(self) -> native.PageFill | None:
+        return None
+
     def submit_what_fits(self, submit: Submit) -> bool:
         if not self.queued:
             self.queued = True

@@ -3,6 +3,11 @@
 Tensors are grouped into segments, each read into one buffer; a segment is queued only when
 its buffer fits the budget (``memory.py``), and a buffer comes back for the next segment only
 once no tensor views it (``destinations/cpu.py``).
+
+Fresh buffers of segments read in whole pages go through the page fill where the config and the
+storage allow it (``StreamerConfig.page_fill``): their pages are created holding their bytes. A
+page of such a buffer must not be touched before it is filled, so its tensors are handed out only
+once the whole segment is read and the buffer is plain memory again.
 """
 
 from __future__ import annotations
@@ -39,7 +44,10 @@ class CpuSink:
         one_receiver: bool,
         request_bytes: int,
         file_grid: bool = False,
+        engine_reads: bool = False,
     ) -> None:
+        """``engine_reads``: the engine's readers write every byte (local files), so fresh buffers
+        may go through the page fill (``config.fills_pages()``)."""
         self._refs = selection.refs
         self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
         self._units = selection.units()
@@ -65,6 +73,13 @@ class CpuSink:
         # One thread (e.g. the S3 event loop) receives every byte (``Storage.one_receiver``):
         # fault fresh buffers in elsewhere, ahead of the bytes (see Prefaulter).
         self._prefaulter = Prefaulter() if one_receiver and selection.files else None
+        self._fill_extents = [
+            segment.filled_extent(DIRECT_IO_ALIGNMENT) if engine_reads and config.fills_pages() else None
+            for segment in self._segments
+        ]
+        self._page_fill: native.PageFill | None = None
+        # Segments read through the page fill: their buffer's filled range and the positions read so far.
+        self._filling: dict[int, tuple[int, int, list[int]]] = {}
         # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
         self._common_capacity = (
             0
@@ -85,7 +100,14 @@ class CpuSink:
         metrics.memory_limit_source = budget.source
 
     def plan(self) -> list[native.Unit]:
+        if any(self._fill_extents):
+            self._page_fill, refused = native.PageFill.open()
+            self.metrics.page_fill = refused or "on"
         return self._units
+
+    @property
+    def page_fill(self) -> native.PageFill | None:
+        return self._page_fill
 
     def submit_what_fits(self, submit: Submit) -> bool:
         """Queues segments in order while the budget allows; False if one is waiting for memory.
@@ -97,7 +119,8 @@ class CpuSink:
             index = self._next_segment
             segment = self._segments[index]
             alone = not self._buffers and not self._taken
-            buffer = self._pool.take(segment.size) or self._new_buffer(segment, force=alone)
+            reused = self._pool.take(segment.size)
+            buffer = reused or self._new_buffer(segment, force=alone)
             if buffer is None:
                 return False
             tensor, base, charge = buffer
@@ -105,7 +128,19 @@ class CpuSink:
             self._undelivered[index] = segment.last_unit - segment.first_unit + 1
             self._in_flight += segment.last_unit - segment.first_unit + 1
             self._next_segment += 1
-            submit(segment.blocks, base)
+            extent = self._fill_extents[index]
+            if reused is None and extent is not None and self._register(index, base, extent):
+                submit([block._replace(flags=native.BLOCK_FILL) for block in segment.blocks], base)
+            else:
+                submit(segment.blocks, base)
+        return True
+
+    def _register(self, index: int, base: int, extent: tuple[int, int]) -> bool:
+        """Makes the fresh buffer's ``extent`` fillable; False (read it plainly) where refused."""
+        address, size = base + extent[0], extent[1] - extent[0]
+        if self._page_fill is None or not self._page_fill.register(address, size):
+            return False
+        self._filling[index] = (address, size, [])
         return True
 
     @property
@@ -122,7 +157,20 @@ class CpuSink:
             position = self._position[unit]
             # No local name for the tensor: it must not outlive the consumer's reference.
             self._taken[position] = self._take_tensor(unit)
-            self._completed.append(position)
+            index = self._segment_of_unit[unit]
+            filling = self._filling.get(index)
+            if filling is None:
+                self._completed.append(position)
+                continue
+            address, size, read = filling
+            read.append(position)
+            segment = self._segments[index]
+            if len(read) == segment.last_unit - segment.first_unit + 1:
+                del self._filling[index]
+                assert self._page_fill is not None
+                # Every page is filled now: if this fails, registered memory behaves as plain memory.
+                self._page_fill.unregister(address, size)
+                self._completed.extend(read)
 
     def settle(self) -> None:
         """Nothing to wait for: the next ``submit_what_fits`` reads on, over the limit if need be."""
@@ -152,6 +200,9 @@ class CpuSink:
         self.metrics.buffers_reused = self._pool.reused
         self._taken.clear()
         self._buffers.clear()
+        self._filling.clear()
+        if self._page_fill is not None:
+            self._page_fill.close()  # after the engine (the run closes it first): nothing fills any more
         self._pool.close()
 
     def _new_buffer(self, segment: Segment, *, force: bool) -> tuple[torch.Tensor, int, int] | None:

@@ -45,6 +45,10 @@ class Sink(Protocol):
     def plan(self) -> Sequence[native.Unit]:
         """Readies the memory reads land in; the units the reader counts (unit ``i`` has id ``i``)."""
 
+    @property
+    def page_fill(self) -> native.PageFill | None:
+        """The page fill its ``BLOCK_FILL`` blocks go through (opened by ``plan``), or None."""
+
     def submit_what_fits(self, submit: Submit) -> bool:
         """Queues every read there is memory for now; False if the next one waits for memory."""
 
@@ -134,6 +138,8 @@ class Run:
         self._reader = reader = open_reader(
             self._storage, self._checkpoint, self._files, self._config, units, self._named, self.metrics
         )
+        if sink.page_fill is not None:
+            reader.set_fill(sink.page_fill)
         ready: deque[int] = deque()  # whole, in completion order
         pending: set[int] = set()  # ordered: whole, waiting for their turn
         complete = pending.update if self._ordered else ready.extend

@@ -36,6 +36,10 @@ class PackedSink:
         self.metrics = metrics
         metrics.bytes = packing.need
 
+    @property
+    def page_fill(self) -> native.PageFill | None:
+        return None  # ranges are packed back to back, not in whole pages
+
     def plan(self) -> list[native.Unit]:
         return [self._unit]
 

@@ -64,6 +64,10 @@ class RegionSink:
         self.metrics = metrics
         metrics.memory_limit_source = "group: the host's shared copy of the checkpoint"
 
+    @property
+    def page_fill(self) -> native.PageFill | None:
+        return None  # the host's shared region: not memory of this process alone
+
     def plan(self) -> list[native.Unit]:
         return self._units
 

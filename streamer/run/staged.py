@@ -98,6 +98,10 @@ class StagedSink:
         self._reading = 0
         self._completed: list[int] = []
 
+    @property
+    def page_fill(self) -> native.PageFill | None:
+        return None  # the ring is reused from load to load: its pages exist
+
     def plan(self) -> list[native.Unit]:
         """Takes the ring and cuts the regions into its slot-sized pieces: piece ``i`` is unit ``i``."""
         assert self._copy_engine is not None and self._destination is not None

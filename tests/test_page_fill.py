@@ -1,0 +1,236 @@
+"""The page fill: fresh CPU buffers whose pages are created holding their bytes (userfaultfd).
+
+What must hold: every byte exact, whatever the layout; no tensor handed to a caller views a page
+still registered (a touch of an unfilled one would wait for ever); a kernel or a buffer that
+refuses leaves the load plain, not failed; only memory of the run's own goes through it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import (
+    KiB,
+    MiB,
+    assert_same_dict,
+    config,
+    fd_count,
+    loopback_s3_config,
+    random_tensor,
+    s3_client,
+    write_checkpoint,
+)
+
+import streamer
+from streamer.config import UNLIMITED, ConfigError, MemoryLimit, StreamerConfig
+from streamer.engine import native
+from streamer.engine.blocks import Block
+from streamer.errors import ReadError
+from streamer.planner import plan_segments
+
+
+def _fill_works() -> bool:
+    fill, _ = native.PageFill.open()
+    if fill is None:
+        return False
+    fill.close()
+    return True
+
+
+needs_fill = pytest.mark.skipif(not _fill_works(), reason="this kernel refuses userfaultfd")
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Sizes off every page and block boundary, several dtypes, an empty and a 0-d tensor."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    shapes = [(1,), (3, 5), (1023,), (4097,), (300, 301), (70_001,), (0, 4), (), (513, 1025)]
+    dtypes = [torch.float32, torch.bfloat16, torch.uint8, torch.int64, torch.float16, torch.bool]
+    for i, shape in enumerate(shapes * 3):
+        tensors[f"t{i:02d}"] = random_tensor(shape, dtypes[i % len(dtypes)], generator)
+    return tensors
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The smaps ``VmFlags`` of the mapping that holds ``address`` (``um``: userfaultfd-registered)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    inside = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _read_whole_storage(tensor: torch.Tensor) -> None:
+    """Reads every byte of the buffer ``tensor`` views, as torch.save of a view does."""
+    whole = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    assert whole.numel() >= tensor.numel() * tensor.element_size()
+    int(whole.sum(dtype=torch.int64))
+
+
+@needs_fill
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_load_through_the_page_fill_is_bit_exact_and_says_so(tmp_path: Path, shards: int) -> None:
+    written = write_checkpoint(tmp_path, _tensors(shards), shards=shards)
+    with streamer.open(written.source, config=config(page_fill=True)) as handle:
+        got = dict(iter(handle))
+        metrics = handle.metrics
+    assert_same_dict(got, written.tensors)
+    assert metrics["page_fill"] == "on"
+    # Whole pages of every buffer: at least the tensor bytes, at most a page more per block.
+    assert written.nbytes <= metrics["filled_bytes"] <= written.nbytes + metrics["blocks"] * 2 * 4 * KiB
+
+    with streamer.open(written.source, config=config(page_fill=False)) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)
+
+
+@needs_fill
+@pytest.mark.parametrize("memory_limit", [UNLIMITED, 512 * KiB])
+def test_no_tensor_handed_out_views_a_registered_page(tmp_path: Path, memory_limit: MemoryLimit) -> None:
+    """Each tensor comes out only once its buffer is plain memory again, so reading its whole
+    storage (what torch.save of a view does) cannot wait on a page. Unlimited, a file is one buffer
+    read by many blocks; under a limit, buffers are small and some are reused (read plainly)."""
+    tensors = _tensors(7)
+    tensors.update({f"big{i}": torch.full((300_000,), i, dtype=torch.int32) for i in range(8)})
+    written = write_checkpoint(tmp_path, tensors, shards=2)
+    cfg = config(page_fill=True, memory_limit=memory_limit, block_size=64 * KiB, concurrency=2)
+    seen = {}
+    with streamer.open(written.source, config=cfg) as handle:
+        for name, tensor in handle:
+            if tensor.numel():
+                assert "um" not in _vm_flags(tensor.data_ptr()), name
+                _read_whole_storage(tensor)
+            seen[name] = tensor.clone()
+        assert handle.metrics["filled_bytes"] > 0
+        if memory_limit != UNLIMITED:
+            assert handle.metrics["buffers_reused"] > 0
+    assert_same_dict(seen, written.tensors)
+
+
+@needs_fill
+def test_touching_the_whole_storage_while_streaming_never_hangs(tmp_path: Path) -> None:
+    """The same in a process of its own, under a timeout: a registered page touched by mistake
+    would block that process for ever, which no in-process guard can interrupt."""
+    tensors = {f"w{i}": torch.full((250_000,), i, dtype=torch.int32) for i in range(12)}
+    written = write_checkpoint(tmp_path, tensors)
+    script = textwrap.dedent(
+        f"""
+        import streamer, torch
+        cfg = streamer.StreamerConfig(page_fill=True, concurrency=2, block_size=64 * 1024)
+        with streamer.open({str(written.source)!r}, config=cfg) as handle:
+            for name, tensor in handle:
+                whole = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+                assert int(whole.sum(dtype=torch.int64)) >= 0 and whole.numel() >= tensor.numel() * 4
+            assert handle.metrics["page_fill"] == "on", handle.metrics["page_fill"]
+        print("done")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
+
+
+@needs_fill
+def test_a_file_cut_short_during_a_filled_load_is_a_named_error_and_leaks_nothing(tmp_path: Path) -> None:
+    written = write_checkpoint(tmp_path, {"a": torch.arange(600_000, dtype=torch.float32)}, index=False)
+    path = written.shards[0]
+    fds = fd_count()
+    with streamer.open(path, config=config(page_fill=True)) as handle:
+        os.truncate(path, path.stat().st_size - 1_000_000)
+        with pytest.raises(ReadError) as raised:
+            dict(iter(handle))
+    assert str(path) in str(raised.value) and "'a'" in str(raised.value)
+    assert fd_count() == fds
+
+
+@needs_fill
+def test_a_load_given_up_early_closes_its_page_fill(tmp_path: Path) -> None:
+    written = write_checkpoint(tmp_path, _tensors(3), shards=2)
+    fds = fd_count()
+    for _ in range(3):
+        with streamer.open(written.source, config=config(page_fill=True, memory_limit=256 * KiB)) as handle:
+            next(iter(handle))
+    assert fd_count() == fds
+
+
+def test_a_kernel_that_refuses_leaves_the_load_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Containers often forbid userfaultfd (seccomp: EPERM): the load goes on without it and says why."""
+    written = write_checkpoint(tmp_path, _tensors(4))
+    refused = "userfaultfd refused: Operation not permitted"
+    monkeypatch.setattr(native.PageFill, "open", classmethod(lambda cls: (None, refused)))
+    with streamer.open(written.source, config=config(page_fill=True)) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        assert handle.metrics["page_fill"] == refused
+        assert handle.metrics["filled_bytes"] == 0
+
+
+@needs_fill
+def test_a_buffer_the_kernel_will_not_register_is_read_plainly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written = write_checkpoint(tmp_path, _tensors(5))
+    monkeypatch.setattr(native.PageFill, "register", lambda self, address, size: False)
+    with streamer.open(written.source, config=config(page_fill=True)) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        assert handle.metrics["page_fill"] == "on" and handle.metrics["filled_bytes"] == 0
+
+
+def test_only_the_engine_readers_memory_goes_through_it(s3_server: str, tmp_path: Path) -> None:
+    """An S3 load writes its bytes from the event loop (user space): never through the page fill."""
+    written = write_checkpoint(tmp_path, _tensors(6), index=False)
+    credentials = ("AKIDFILL", "fill-secret", "fill-token")
+    client = s3_client(s3_server, credentials[0], credentials[1])
+    client.create_bucket(Bucket="fill")
+    client.upload_file(str(written.shards[0]), "fill", "model.safetensors")
+    cfg = StreamerConfig(page_fill=True, block_size=64 * KiB, s3=loopback_s3_config(s3_server, credentials))
+    with streamer.open("s3://fill/model.safetensors", config=cfg) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)
+
+
+@pytest.mark.parametrize(
+    ("page_fill", "hugepages", "fills"),
+    [(None, False, True), (None, True, False), (True, True, True), (False, False, False)],
+)
+def test_it_is_on_where_buffers_take_4_kib_pages(
+    page_fill: bool | None, hugepages: bool, fills: bool
+) -> None:
+    assert StreamerConfig(page_fill=page_fill, hugepages=hugepages).fills_pages() is fills
+
+
+def test_the_environment_decides_when_the_user_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMER_PAGE_FILL", "0")
+    assert StreamerConfig(hugepages=False).fills_pages() is False
+    monkeypatch.setenv("STREAMER_PAGE_FILL", "1")
+    assert StreamerConfig(hugepages=True).fills_pages() is True
+    assert StreamerConfig(page_fill=False).fills_pages() is False
+    monkeypatch.setenv("STREAMER_PAGE_FILL", "yes")
+    with pytest.raises(ConfigError, match="STREAMER_PAGE_FILL"):
+        StreamerConfig()
+
+
+def test_only_segments_read_in_whole_pages_qualify() -> None:
+    units = [native.Unit(0, 100, 70_000), native.Unit(0, 70_000, 200_001)]
+    (whole,) = plan_segments(units, block_size=64 * KiB, segment_bytes=None, alignment=4096)
+    assert whole.filled_extent(4096) == (0, 200_704)  # [0, 200_001) rounded out to pages
+    (odd,) = plan_segments(units, block_size=50_000, segment_bytes=None, alignment=4096)
+    assert odd.filled_extent(4096) is None  # blocks end off the page grid
+    apart = [native.Unit(0, 0, 4096), native.Unit(0, 5 * MiB, 5 * MiB + 10)]
+    (gapped,) = plan_segments(
+        apart, block_size=64 * KiB, segment_bytes=None, alignment=4096, request_bytes=MiB
+    )
+    assert gapped.filled_extent(4096) is None  # pages between the reads would stay unfilled
+    assert Block(0, 0, 0, 0, 1, 0, 4096, 0).flags == 0
