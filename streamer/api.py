@@ -337,7 +337,6 @@ class Streamer:
                 CpuSink,
                 config,
                 one_receiver=self._storage.one_receiver,
-                engine_reads=self._storage.reads_in_engine,
                 request_bytes=self._storage.read_cost.request_bytes,
                 file_grid=self._storage.file_grid,
             )

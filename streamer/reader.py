@@ -69,6 +69,12 @@ class Reader:
         self._tensors = tensors
         self._metrics = metrics
 
+    @property
+    def fillable(self) -> Sequence[bool]:
+        """Per engine file: whether its fresh buffers may go through the page fill (``Feed.fillable``)."""
+        assert self._feed is not None
+        return self._feed.fillable
+
     def set_fill(self, fill: native.PageFill) -> None:
         """Lends the engine the page fill of the run's sink (which closes it after this reader)."""
         self._engine.set_fill(fill)

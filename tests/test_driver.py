@@ -58,8 +58,7 @@ class PeerSink:
     def plan(self) -> list[native.Unit]:
         return self.units
 
-    @property
-    def page_fill(self) -> native.PageFill | None:
+    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
         return None
 
     def submit_what_fits(self, submit: Submit) -> bool:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from conftest import (
     loopback_s3_config,
     random_tensor,
     s3_client,
+    takes_direct_io,
     write_checkpoint,
 )
 
@@ -44,6 +46,8 @@ def _fill_works() -> bool:
 
 
 needs_fill = pytest.mark.skipif(not _fill_works(), reason="this kernel refuses userfaultfd")
+# Buffered: a file just written could be read with O_DIRECT on a busy machine, which skips the fill.
+FILLING: dict[str, Any] = {"page_fill": True, "io_mode": "buffered"}
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -82,7 +86,7 @@ def _read_whole_storage(tensor: torch.Tensor) -> None:
 @pytest.mark.parametrize("shards", [1, 3])
 def test_a_load_through_the_page_fill_is_bit_exact_and_says_so(tmp_path: Path, shards: int) -> None:
     written = write_checkpoint(tmp_path, _tensors(shards), shards=shards)
-    with streamer.open(written.source, config=config(page_fill=True)) as handle:
+    with streamer.open(written.source, config=config(**FILLING)) as handle:
         got = dict(iter(handle))
         metrics = handle.metrics
     assert_same_dict(got, written.tensors)
@@ -104,7 +108,7 @@ def test_no_tensor_handed_out_views_a_registered_page(tmp_path: Path, memory_lim
     tensors = _tensors(7)
     tensors.update({f"big{i}": torch.full((300_000,), i, dtype=torch.int32) for i in range(8)})
     written = write_checkpoint(tmp_path, tensors, shards=2)
-    cfg = config(page_fill=True, memory_limit=memory_limit, block_size=64 * KiB, concurrency=2)
+    cfg = config(**FILLING, memory_limit=memory_limit, block_size=64 * KiB, concurrency=2)
     seen = {}
     with streamer.open(written.source, config=cfg) as handle:
         for name, tensor in handle:
@@ -127,7 +131,7 @@ def test_touching_the_whole_storage_while_streaming_never_hangs(tmp_path: Path) 
     script = textwrap.dedent(
         f"""
         import streamer, torch
-        cfg = streamer.StreamerConfig(page_fill=True, concurrency=2, block_size=64 * 1024)
+        cfg = streamer.StreamerConfig(page_fill=True, io_mode="buffered", concurrency=2, block_size=64 * 1024)
         with streamer.open({str(written.source)!r}, config=cfg) as handle:
             for name, tensor in handle:
                 whole = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
@@ -148,7 +152,7 @@ def test_a_file_cut_short_during_a_filled_load_is_a_named_error_and_leaks_nothin
     written = write_checkpoint(tmp_path, {"a": torch.arange(600_000, dtype=torch.float32)}, index=False)
     path = written.shards[0]
     fds = fd_count()
-    with streamer.open(path, config=config(page_fill=True)) as handle:
+    with streamer.open(path, config=config(**FILLING)) as handle:
         os.truncate(path, path.stat().st_size - 1_000_000)
         with pytest.raises(ReadError) as raised:
             dict(iter(handle))
@@ -161,9 +165,20 @@ def test_a_load_given_up_early_closes_its_page_fill(tmp_path: Path) -> None:
     written = write_checkpoint(tmp_path, _tensors(3), shards=2)
     fds = fd_count()
     for _ in range(3):
-        with streamer.open(written.source, config=config(page_fill=True, memory_limit=256 * KiB)) as handle:
+        with streamer.open(written.source, config=config(**FILLING, memory_limit=256 * KiB)) as handle:
             next(iter(handle))
     assert fd_count() == fds
+
+
+@needs_fill
+def test_files_read_with_o_direct_skip_it(tmp_path: Path) -> None:
+    """A cold read lands in fresh pages without a fault already: through the fill it would cost a copy."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path} does not open files with O_DIRECT (tmpfs)")
+    written = write_checkpoint(tmp_path, _tensors(8), shards=2)
+    with streamer.open(written.source, config=config(page_fill=True, io_mode="direct")) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)
 
 
 def test_a_kernel_that_refuses_leaves_the_load_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,7 +186,7 @@ def test_a_kernel_that_refuses_leaves_the_load_plain(tmp_path: Path, monkeypatch
     written = write_checkpoint(tmp_path, _tensors(4))
     refused = "userfaultfd refused: Operation not permitted"
     monkeypatch.setattr(native.PageFill, "open", classmethod(lambda cls: (None, refused)))
-    with streamer.open(written.source, config=config(page_fill=True)) as handle:
+    with streamer.open(written.source, config=config(**FILLING)) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         assert handle.metrics["page_fill"] == refused
         assert handle.metrics["filled_bytes"] == 0
@@ -183,7 +198,7 @@ def test_a_buffer_the_kernel_will_not_register_is_read_plainly(
 ) -> None:
     written = write_checkpoint(tmp_path, _tensors(5))
     monkeypatch.setattr(native.PageFill, "register", lambda self, address, size: False)
-    with streamer.open(written.source, config=config(page_fill=True)) as handle:
+    with streamer.open(written.source, config=config(**FILLING)) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         assert handle.metrics["page_fill"] == "on" and handle.metrics["filled_bytes"] == 0
 
@@ -195,7 +210,7 @@ def test_only_the_engine_readers_memory_goes_through_it(s3_server: str, tmp_path
     client = s3_client(s3_server, credentials[0], credentials[1])
     client.create_bucket(Bucket="fill")
     client.upload_file(str(written.shards[0]), "fill", "model.safetensors")
-    cfg = StreamerConfig(page_fill=True, block_size=64 * KiB, s3=loopback_s3_config(s3_server, credentials))
+    cfg = StreamerConfig(**FILLING, block_size=64 * KiB, s3=loopback_s3_config(s3_server, credentials))
     with streamer.open("s3://fill/model.safetensors", config=cfg) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)

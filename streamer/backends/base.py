@@ -111,6 +111,12 @@ class Feed(ABC):
         """The typed error this feed stopped the run with (``native.ERR_EXTERNAL``), if any."""
         return None
 
+    @property
+    def fillable(self) -> Sequence[bool]:
+        """Per engine file: whether the engine's readers read it through the page cache, so that its
+        fresh buffers may go through the page fill; empty where the bytes arrive another way."""
+        return ()
+
     @abstractmethod
     def stats(self) -> dict[str, int]:
         """This run's storage counters, named as ``LoadMetrics`` reports them."""

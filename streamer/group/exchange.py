@@ -235,7 +235,6 @@ class GroupExchange:
             CpuSink,
             config,
             one_receiver=storage.one_receiver,
-            engine_reads=storage.reads_in_engine,
             request_bytes=storage.read_cost.request_bytes,
             file_grid=storage.file_grid,
         )

@@ -4,8 +4,9 @@ Tensors are grouped into segments, each read into one buffer; a segment is queue
 its buffer fits the budget (``memory.py``), and a buffer comes back for the next segment only
 once no tensor views it (``destinations/cpu.py``).
 
-Fresh buffers of segments read in whole pages go through the page fill where the config and the
-storage allow it (``StreamerConfig.page_fill``): their pages are created holding their bytes. A
+Fresh buffers of segments read in whole pages, of files the engine reads through the page cache,
+go through the page fill where the config allows it (``StreamerConfig.page_fill``): their pages
+are created holding their bytes. A
 page of such a buffer must not be touched before it is filled, so its tensors are handed out only
 once the whole segment is read and the buffer is plain memory again.
 """
@@ -44,10 +45,7 @@ class CpuSink:
         one_receiver: bool,
         request_bytes: int,
         file_grid: bool = False,
-        engine_reads: bool = False,
     ) -> None:
-        """``engine_reads``: the engine's readers write every byte (local files), so fresh buffers
-        may go through the page fill (``config.fills_pages()``)."""
         self._refs = selection.refs
         self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
         self._units = selection.units()
@@ -74,7 +72,7 @@ class CpuSink:
         # fault fresh buffers in elsewhere, ahead of the bytes (see Prefaulter).
         self._prefaulter = Prefaulter() if one_receiver and selection.files else None
         self._fill_extents = [
-            segment.filled_extent(DIRECT_IO_ALIGNMENT) if engine_reads and config.fills_pages() else None
+            segment.filled_extent(DIRECT_IO_ALIGNMENT) if config.fills_pages() else None
             for segment in self._segments
         ]
         self._page_fill: native.PageFill | None = None
@@ -100,13 +98,16 @@ class CpuSink:
         metrics.memory_limit_source = budget.source
 
     def plan(self) -> list[native.Unit]:
+        return self._units
+
+    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+        self._fill_extents = [
+            extent if segment.file < len(fillable) and fillable[segment.file] else None
+            for segment, extent in zip(self._segments, self._fill_extents, strict=True)
+        ]
         if any(self._fill_extents):
             self._page_fill, refused = native.PageFill.open()
             self.metrics.page_fill = refused or "on"
-        return self._units
-
-    @property
-    def page_fill(self) -> native.PageFill | None:
         return self._page_fill
 
     def submit_what_fits(self, submit: Submit) -> bool:

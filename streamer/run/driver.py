@@ -45,9 +45,9 @@ class Sink(Protocol):
     def plan(self) -> Sequence[native.Unit]:
         """Readies the memory reads land in; the units the reader counts (unit ``i`` has id ``i``)."""
 
-    @property
-    def page_fill(self) -> native.PageFill | None:
-        """The page fill its ``BLOCK_FILL`` blocks go through (opened by ``plan``), or None."""
+    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+        """Once the reader has opened the files: the page fill that its ``BLOCK_FILL`` blocks of the
+        engine files marked in ``fillable`` will go through (the sink closes it), or None."""
 
     def submit_what_fits(self, submit: Submit) -> bool:
         """Queues every read there is memory for now; False if the next one waits for memory."""
@@ -138,8 +138,9 @@ class Run:
         self._reader = reader = open_reader(
             self._storage, self._checkpoint, self._files, self._config, units, self._named, self.metrics
         )
-        if sink.page_fill is not None:
-            reader.set_fill(sink.page_fill)
+        fill = sink.open_page_fill(reader.fillable)
+        if fill is not None:
+            reader.set_fill(fill)
         ready: deque[int] = deque()  # whole, in completion order
         pending: set[int] = set()  # ordered: whole, waiting for their turn
         complete = pending.update if self._ordered else ready.extend

@@ -36,8 +36,7 @@ class PackedSink:
         self.metrics = metrics
         metrics.bytes = packing.need
 
-    @property
-    def page_fill(self) -> native.PageFill | None:
+    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
         return None  # ranges are packed back to back, not in whole pages
 
     def plan(self) -> list[native.Unit]:

@@ -64,8 +64,7 @@ class RegionSink:
         self.metrics = metrics
         metrics.memory_limit_source = "group: the host's shared copy of the checkpoint"
 
-    @property
-    def page_fill(self) -> native.PageFill | None:
+    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
         return None  # the host's shared region: not memory of this process alone
 
     def plan(self) -> list[native.Unit]:

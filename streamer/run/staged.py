@@ -98,8 +98,7 @@ class StagedSink:
         self._reading = 0
         self._completed: list[int] = []
 
-    @property
-    def page_fill(self) -> native.PageFill | None:
+    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
         return None  # the ring is reused from load to load: its pages exist
 
     def plan(self) -> list[native.Unit]:
