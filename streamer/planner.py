@@ -36,6 +36,10 @@ class Segment:
     def size(self) -> int:
         return self.buffer_end - self.buffer_begin
 
+    @property
+    def unit_count(self) -> int:
+        return self.last_unit - self.first_unit + 1
+
     def read_extents(self) -> list[tuple[int, int]]:
         """The parts of the buffer its blocks fill (offsets into it), adjacent blocks joined."""
         extents: list[tuple[int, int]] = []

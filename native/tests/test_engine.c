@@ -1314,6 +1314,9 @@ static void test_external_files(void) {
     bad = ext_blocks[0];
     bad.file = 2;
     CHECK_EQ(se_engine_credit(e, &bad), SE_ERR_INVALID);
+    bad = ext_blocks[0];
+    bad.flags = SE_BLOCK_FILL; /* an external reader writes its own bytes: never through the fill */
+    CHECK_EQ(se_engine_credit(e, &bad), SE_ERR_INVALID);
     se_error_info ok_info = {SE_OK, 0, 1, 0, 0, 0};
     CHECK_EQ(se_engine_fail(e, &ok_info), SE_ERR_INVALID);
     CHECK_EQ(se_engine_fail(e, NULL), SE_ERR_INVALID);

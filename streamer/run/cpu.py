@@ -6,9 +6,9 @@ once no tensor views it (``destinations/cpu.py``).
 
 Fresh buffers of segments read in whole pages, of files the engine reads through the page cache,
 go through the page fill where the config allows it (``StreamerConfig.page_fill``): their pages
-are created holding their bytes. A
-page of such a buffer must not be touched before it is filled, so its tensors are handed out only
-once the whole segment is read and the buffer is plain memory again.
+are created holding their bytes. A page of such a buffer must not be touched before it is filled,
+so its tensors are handed out only once the whole segment is read and the buffer is plain memory
+again.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ class CpuSink:
                 return False
             tensor, base, charge = buffer
             self._buffers[index] = (tensor, charge)
-            self._undelivered[index] = segment.last_unit - segment.first_unit + 1
-            self._in_flight += segment.last_unit - segment.first_unit + 1
+            self._undelivered[index] = segment.unit_count
+            self._in_flight += segment.unit_count
             self._next_segment += 1
             extent = self._fill_extents[index]
             if reused is None and extent is not None and self._register(index, base, extent):
@@ -165,8 +165,7 @@ class CpuSink:
                 continue
             address, size, read = filling
             read.append(position)
-            segment = self._segments[index]
-            if len(read) == segment.last_unit - segment.first_unit + 1:
+            if len(read) == self._segments[index].unit_count:
                 del self._filling[index]
                 assert self._page_fill is not None
                 # Every page is filled now: if this fails, registered memory behaves as plain memory.

@@ -88,7 +88,7 @@ class RegionSink:
                     path=region.directory,
                 ) from error
             self._next_segment += 1
-            self._in_flight += segment.last_unit - segment.first_unit + 1
+            self._in_flight += segment.unit_count
             submit(segment.blocks, region.shared_address(self._files[segment.file], segment.buffer_begin))
         return True
 
