@@ -142,7 +142,7 @@ def test_touching_the_whole_storage_while_streaming_never_hangs(tmp_path: Path) 
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
     )
     assert result.returncode == 0 and result.stdout.strip() == "done", result.stderr
 
