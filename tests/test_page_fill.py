@@ -7,6 +7,7 @@ refuses leaves the load plain, not failed; only memory of the run's own goes thr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from conftest import (
     fd_count,
     loopback_s3_config,
     random_tensor,
+    raw_bytes,
     s3_client,
     takes_direct_io,
     write_checkpoint,
@@ -179,6 +181,50 @@ def test_files_read_with_o_direct_skip_it(tmp_path: Path) -> None:
     with streamer.open(written.source, config=config(page_fill=True, io_mode="direct")) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)
+
+
+_SECCOMP_DENY_USERFAULTFD = """
+import ctypes, errno, struct
+# A seccomp filter, as container runtimes install, that refuses userfaultfd (x86_64: 323) with EPERM.
+LD_ABS, JEQ, RET = 0x20, 0x15, 0x06
+code = [(LD_ABS, 0, 0, 4), (JEQ, 0, 3, 0xC000003E), (LD_ABS, 0, 0, 0), (JEQ, 0, 1, 323),
+        (RET, 0, 0, 0x00050000 | errno.EPERM), (RET, 0, 0, 0x7FFF0000)]
+program = b"".join(struct.pack("HBBI", *instruction) for instruction in code)
+buffer = ctypes.create_string_buffer(program)
+
+class Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+fprog = Program(len(code), ctypes.addressof(buffer))
+assert libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0, ctypes.get_errno()  # PR_SET_SECCOMP, FILTER
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the filter names x86_64's syscall number")
+def test_a_seccomp_filter_that_refuses_userfaultfd_leaves_the_load_plain(tmp_path: Path) -> None:
+    """A real refusal, in a process of its own: the load is exact and says why it ran without the fill."""
+    written = write_checkpoint(tmp_path, _tensors(9))
+    expected = {name: raw_bytes(tensor).hex() for name, tensor in written.tensors.items()}
+    script = _SECCOMP_DENY_USERFAULTFD + textwrap.dedent(
+        f"""
+        import json, streamer, torch
+        cfg = streamer.StreamerConfig(page_fill=True, io_mode="buffered", block_size=64 * 1024)
+        with streamer.open({str(written.source)!r}, config=cfg) as handle:
+            got = {{name: tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+                   for name, tensor in handle}}
+            print(json.dumps([handle.metrics["page_fill"], handle.metrics["filled_bytes"], got]))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    page_fill, filled, got = json.loads(result.stdout)
+    assert (page_fill, filled) == ("userfaultfd refused: Operation not permitted", 0)
+    assert got == expected
 
 
 def test_a_kernel_that_refuses_leaves_the_load_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
