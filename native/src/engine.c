@@ -74,12 +74,13 @@ static void record_error(se_engine *e, int32_t code, int32_t sys_errno, const se
     pthread_cond_broadcast(&e->done_ready);
 }
 
-/* Reads the block; returns SE_OK or a status, with *got = bytes obtained. */
-static int32_t read_block(int fd, const se_block *b, uint64_t *got, int *sys_errno) {
-    char *dst = (char *)b->dst;
+/* Reads [offset, offset + length) of fd into dst, stopping early only at end of file; *got = bytes
+ * obtained. Returns SE_OK, or SE_ERR_READ with *sys_errno. */
+static int32_t read_range(int fd, char *dst, uint64_t offset, uint64_t length, uint64_t acc_end,
+                          uint64_t *got, int *sys_errno) {
     uint64_t done = 0;
-    while (done < b->read_length) {
-        ssize_t n = pread(fd, dst + done, (size_t)(b->read_length - done), (off_t)(b->read_offset + done));
+    while (done < length) {
+        ssize_t n = pread(fd, dst + done, (size_t)(length - done), (off_t)(offset + done));
         if (n < 0) {
             if (errno == EINTR) {
                 continue;
@@ -92,12 +93,21 @@ static int32_t read_block(int fd, const se_block *b, uint64_t *got, int *sys_err
             break; /* end of file */
         }
         done += (uint64_t)n;
-        if (done < b->read_length && b->read_offset + done >= b->acc_end) {
+        if (done < length && offset + done >= acc_end) {
             break; /* short read at end of file; an O_DIRECT retry at this unaligned offset could fail */
         }
     }
     *got = done;
-    return b->read_offset + done >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;
+    return SE_OK;
+}
+
+/* Reads the block; returns SE_OK or a status, with *got = bytes obtained. */
+static int32_t read_block(int fd, const se_block *b, uint64_t *got, int *sys_errno) {
+    int32_t status = read_range(fd, (char *)b->dst, b->read_offset, b->read_length, b->acc_end, got, sys_errno);
+    if (status != SE_OK) {
+        return status;
+    }
+    return b->read_offset + *got >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;
 }
 
 /* Reads a SE_BLOCK_FILL block chunk by chunk into bounce (SE_FILL_CHUNK bytes) and places each
@@ -107,34 +117,25 @@ static int32_t fill_block(int fd, int fill_fd, char *bounce, const se_block *b, 
                           uint64_t *filled, int *sys_errno) {
     char *dst = (char *)b->dst;
     uint64_t done = 0;
-    int at_end = 0;
-    while (done < b->read_length && !at_end) {
-        size_t want = b->read_length - done < SE_FILL_CHUNK ? (size_t)(b->read_length - done) : SE_FILL_CHUNK;
-        size_t have = 0;
-        while (have < want) {
-            ssize_t n = pread(fd, bounce + have, want - have, (off_t)(b->read_offset + done + have));
-            if (n < 0) {
-                if (errno == EINTR) {
-                    continue;
-                }
-                *got = done + have;
-                *sys_errno = errno;
-                return SE_ERR_READ;
-            }
-            have += (size_t)n;
-            if (n == 0 || (have < want && b->read_offset + done + have >= b->acc_end)) {
-                at_end = 1; /* end of file (see read_block) */
-                break;
-            }
+    while (done < b->read_length) {
+        uint64_t want = b->read_length - done < SE_FILL_CHUNK ? b->read_length - done : SE_FILL_CHUNK;
+        uint64_t have = 0;
+        int32_t status = read_range(fd, bounce, b->read_offset + done, want, b->acc_end, &have, sys_errno);
+        if (status != SE_OK) {
+            *got = done + have;
+            return status;
         }
-        size_t pages = (have + SE_DIRECT_ALIGNMENT - 1) / SE_DIRECT_ALIGNMENT * SE_DIRECT_ALIGNMENT;
-        memset(bounce + have, 0, pages - have);
+        size_t pages = (size_t)(have + SE_DIRECT_ALIGNMENT - 1) / SE_DIRECT_ALIGNMENT * SE_DIRECT_ALIGNMENT;
+        memset(bounce + have, 0, pages - (size_t)have);
         if (pages > 0 && se_fill_place(fill_fd, dst + done, bounce, pages, sys_errno) != 0) {
             *got = done;
             return SE_ERR_FILL;
         }
         *filled += pages;
         done += have;
+        if (have < want) {
+            break; /* end of file */
+        }
     }
     *got = done;
     return b->read_offset + done >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;

@@ -71,10 +71,8 @@ class CpuSink:
         # One thread (e.g. the S3 event loop) receives every byte (``Storage.one_receiver``):
         # fault fresh buffers in elsewhere, ahead of the bytes (see Prefaulter).
         self._prefaulter = Prefaulter() if one_receiver and selection.files else None
-        self._fill_extents = [
-            segment.filled_extent(DIRECT_IO_ALIGNMENT) if config.fills_pages() else None
-            for segment in self._segments
-        ]
+        self._fills_pages = config.fills_pages()
+        self._fill_extents: list[tuple[int, int] | None] = [None] * len(self._segments)
         self._page_fill: native.PageFill | None = None
         # Segments read through the page fill: their buffer's filled range and the positions read so far.
         self._filling: dict[int, tuple[int, int, list[int]]] = {}
@@ -101,9 +99,11 @@ class CpuSink:
         return self._units
 
     def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+        if not self._fills_pages or not any(fillable):
+            return None
         self._fill_extents = [
-            extent if segment.file < len(fillable) and fillable[segment.file] else None
-            for segment, extent in zip(self._segments, self._fill_extents, strict=True)
+            segment.filled_extent(DIRECT_IO_ALIGNMENT) if fillable[segment.file] else None
+            for segment in self._segments
         ]
         if any(self._fill_extents):
             self._page_fill, refused = native.PageFill.open()
