@@ -610,6 +610,22 @@ def test_tensors_do_not_share_memory(mixed: Written) -> None:
     assert [n for n in got if before[n] != after[n]] == [victim]
 
 
+@pytest.mark.parametrize("limit", ["unlimited", 256 * KiB])
+def test_each_tensor_has_a_storage_of_its_own_bytes(mixed: Written, tmp_path: Path, limit: int | str) -> None:
+    """As safetensors' tensors: torch.save of one tensor writes that tensor, not the buffer it was
+    read into beside its neighbours (a whole file, unlimited)."""
+    got = streamer.load(mixed.index, config=config(memory_limit=limit, block_size=4096))
+    for name, t in got.items():
+        if t.numel():
+            storage = t.untyped_storage()
+            assert (storage.data_ptr(), storage.nbytes()) == (t.data_ptr(), t.nbytes), name
+    name = min((n for n in got if got[n].nbytes >= 4096), key=lambda n: got[n].nbytes)
+    saved = tmp_path / "one.pt"
+    torch.save(got[name], saved)
+    assert saved.stat().st_size < got[name].nbytes + 4096
+    assert_same(torch.load(saved), got[name], name)
+
+
 def test_memory_is_owned_not_a_file_mapping(tmp_path: Path) -> None:
     tensors = {"w": random_tensor((300 * KiB,), torch.uint8), "v": random_tensor((1000,), torch.float32)}
     written = write_checkpoint(tmp_path, tensors, index=False)

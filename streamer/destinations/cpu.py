@@ -179,14 +179,24 @@ def tensor_view(buffer: torch.Tensor, offset: int, entry: TensorEntry) -> torch.
 
     Zero-copy when the offset suits the dtype's alignment (always, for files that
     safetensors writes); otherwise copied into a tensor of its own on the buffer's device.
+    On the CPU its storage is just its bytes, as safetensors' tensors are, though it shares
+    the buffer's memory and keeps the buffer alive: ``torch.save`` of one tensor writes that
+    tensor, and nothing reached through it lies outside the bytes read for it (the page fill
+    hands a tensor out while the rest of its buffer is still being filled).
     """
-    raw = buffer[offset : offset + entry.nbytes]
     dtype = entry.dtype.torch_dtype
     if (buffer.data_ptr() + offset) % entry.dtype.itemsize == 0:
-        return raw.view(dtype).view(entry.shape)
+        return _bytes_of(buffer, offset, entry.nbytes).view(dtype).view(entry.shape)
     aligned = torch.empty(entry.shape, dtype=dtype, device=buffer.device)
-    aligned.view(-1).view(torch.uint8).copy_(raw)
+    aligned.view(-1).view(torch.uint8).copy_(buffer[offset : offset + entry.nbytes])
     return aligned
+
+
+def _bytes_of(buffer: torch.Tensor, offset: int, size: int) -> torch.Tensor:
+    """``buffer[offset : offset + size]``; on the CPU with a storage of those bytes alone."""
+    if buffer.device.type != "cpu" or size == 0:  # frombuffer refuses an empty range
+        return buffer[offset : offset + size]
+    return torch.frombuffer(buffer.numpy(), dtype=torch.uint8, count=size, offset=offset)
 
 
 def empty_tensor(entry: TensorEntry, device: torch.device | None = None) -> torch.Tensor:

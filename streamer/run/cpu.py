@@ -6,9 +6,11 @@ once no tensor views it (``destinations/cpu.py``).
 
 Fresh buffers of segments read in whole pages, of files the engine reads through the page cache,
 go through the page fill where the config allows it (``StreamerConfig.page_fill``): their pages
-are created holding their bytes. A page of such a buffer must not be touched before it is filled,
-so its tensors are handed out only once the whole segment is read and the buffer is plain memory
-again.
+are created holding their bytes. A page of such a buffer must not be touched before it is filled.
+A tensor is handed out once its own bytes are read, while the rest of its buffer may still be
+filling: every page under its bytes was filled by the blocks that read them (blocks of a filled
+segment are whole pages), and its storage is just its bytes (``tensor_view``), so nothing reached
+through it lies in a page still to come. The buffer is unregistered once the segment is read.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ class CpuSink:
         self._fills_pages = config.fills_pages()
         self._fill_extents: list[tuple[int, int] | None] = [None] * len(self._segments)
         self._page_fill: native.PageFill | None = None
-        # Segments read through the page fill: their buffer's filled range and the positions read so far.
-        self._filling: dict[int, tuple[int, int, list[int]]] = {}
+        # Segments read through the page fill: their buffer's registered range and units still unread.
+        self._filling: dict[int, tuple[int, int, int]] = {}
         # Under a limit, buffers of ordinary segments share one capacity: an idle one fits any next one.
         self._common_capacity = (
             0
@@ -141,7 +143,7 @@ class CpuSink:
         address, size = base + extent[0], extent[1] - extent[0]
         if self._page_fill is None or not self._page_fill.register(address, size):
             return False
-        self._filling[index] = (address, size, [])
+        self._filling[index] = (address, size, self._segments[index].unit_count)
         return True
 
     @property
@@ -158,19 +160,19 @@ class CpuSink:
             position = self._position[unit]
             # No local name for the tensor: it must not outlive the consumer's reference.
             self._taken[position] = self._take_tensor(unit)
+            self._completed.append(position)
             index = self._segment_of_unit[unit]
             filling = self._filling.get(index)
             if filling is None:
-                self._completed.append(position)
                 continue
-            address, size, read = filling
-            read.append(position)
-            if len(read) == self._segments[index].unit_count:
-                del self._filling[index]
-                assert self._page_fill is not None
-                # Every page is filled now: if this fails, registered memory behaves as plain memory.
-                self._page_fill.unregister(address, size)
-                self._completed.extend(read)
+            address, size, unread = filling
+            if unread > 1:
+                self._filling[index] = (address, size, unread - 1)
+                continue
+            del self._filling[index]
+            assert self._page_fill is not None
+            # Every page is filled now: if this fails, registered memory behaves as plain memory.
+            self._page_fill.unregister(address, size)
 
     def settle(self) -> None:
         """Nothing to wait for: the next ``submit_what_fits`` reads on, over the limit if need be."""
