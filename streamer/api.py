@@ -27,6 +27,7 @@ from streamer.errors import ConfigError, SourceError, StreamerError
 from streamer.format.safetensors import TensorEntry
 from streamer.group.exchange import GroupExchange
 from streamer.progress import ByteProgress
+from streamer.readahead import MAX_WINDOW_BYTES, KeyWalk
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
 from streamer.run.packed import PackedSink
@@ -120,6 +121,7 @@ class Streamer:
         self._exchange: GroupExchange | None = None  # the last read's, if it was a group read
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
+        self._walk: KeyWalk | None = None  # get_tensor's read-ahead
 
     def keys(self) -> list[str]:
         return list(self.checkpoint.tensors)
@@ -245,8 +247,36 @@ class Streamer:
         return TensorRef(ref.file, sliced)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        """Reads one tensor (all workers share it when it is large); an iteration may be under way."""
-        run = self._new_run([self.checkpoint.ref(name)], ordered=True)
+        """Reads one tensor (all workers share it when it is large); an iteration may be under way.
+
+        Called for the keys in ``keys()`` order, it reads the ones that follow ahead, in windows
+        (``streamer.readahead``).
+        """
+        ref = self.checkpoint.ref(name)  # a missing name raises here, naming it
+        if self._walk is None:
+            self._walk = self.key_walk(self.keys())
+        return self._walk.get(ref.entry.name)
+
+    def key_walk(self, order: Sequence[str]) -> KeyWalk:
+        """A read-ahead for ``get_tensor``-style calls walking the keys in ``order``."""
+        tensors = self.checkpoint.tensors
+
+        def read(names: list[str]) -> list[torch.Tensor]:
+            if len(names) == 1:
+                return [self._read_alone(tensors[names[0]])]
+            return self.read([tensors[name] for name in names])
+
+        limit = self.config.explicit_memory_limit
+        return KeyWalk(
+            order,
+            read,
+            lambda name: tensors[name].entry.nbytes,
+            max_window_bytes=MAX_WINDOW_BYTES if limit is None else min(limit, MAX_WINDOW_BYTES),
+        )
+
+    def _read_alone(self, ref: TensorRef) -> torch.Tensor:
+        """One tensor, under ``memory_limit`` (which warns when the tensor alone exceeds it)."""
+        run = self._new_run([ref], ordered=True)
         self._run, self._exchange = run, None
         results = run.results()
         try:
@@ -352,6 +382,8 @@ class Streamer:
     def close(self) -> None:
         """Stops a pass in progress and releases its threads, files, buffers and host ring."""
         self._stop()
+        if self._walk is not None:
+            self._walk.clear()
         self._rings.clear()
         self._storage.close()
 

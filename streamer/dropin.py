@@ -22,6 +22,7 @@ from streamer.config import StreamerConfig
 from streamer.destinations.cpu import MemoryBudget, allocate_buffer
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
 from streamer.format.safetensors import TensorEntry
+from streamer.readahead import KeyWalk
 from streamer.sources import SourceLike
 
 FRAMEWORKS = ("pt", "torch")
@@ -52,6 +53,7 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
             )
         check_backend(backend)
         self._handle = Streamer(filename, device=device, config=config, order="checkpoint")
+        self._walk: KeyWalk | None = None  # get_tensor's read-ahead, over keys() in sorted order
         self._closed = False
 
     @property
@@ -79,7 +81,12 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
         return handle.metadata() if any(h.has_metadata for h in handle.checkpoint.headers) else None
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        return self.handle.read([self._ref(name)])[0]
+        """One tensor; called for the keys in ``keys()`` order, it reads the ones that follow
+        ahead, in windows (``streamer.readahead``)."""
+        ref = self._ref(name)
+        if self._walk is None:
+            self._walk = self.handle.key_walk(self.keys())
+        return self._walk.get(ref.entry.name)
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, in one run (as fast as ``streamer.load``), keyed in ``keys()`` order."""
@@ -104,6 +111,8 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
         """Releases files and connections; slices taken before stay usable (each read of one
         reopens what it needs and releases it again)."""
         self._closed = True
+        if self._walk is not None:
+            self._walk.clear()
         self._handle.close()
 
     def __enter__(self) -> safe_open:
