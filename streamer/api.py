@@ -285,7 +285,7 @@ class Streamer:
             results.close()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        """``handle[name]``, so ``dict(handle)`` works; each key is its own read (iterate for speed)."""
+        """``handle[name]``, so ``dict(handle)`` works: ``get_tensor``, reading ahead along ``keys()``."""
         return self.get_tensor(name)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
