@@ -26,6 +26,7 @@ from streamer.engine import native
 from streamer.errors import ConfigError, SourceError, StreamerError
 from streamer.format.safetensors import TensorEntry
 from streamer.group.exchange import GroupExchange
+from streamer.memory import streaming_budget
 from streamer.progress import ByteProgress
 from streamer.readahead import MAX_WINDOW_BYTES, KeyWalk
 from streamer.run.cpu import CpuSink
@@ -266,7 +267,9 @@ class Streamer:
                 return [self._read_alone(tensors[names[0]])]
             return self.read([tensors[name] for name in names])
 
-        limit = self.config.explicit_memory_limit
+        # Within what a streaming read of this checkpoint may hold: the user's limit, or the auto one
+        # (under 256 MiB only where the host has little memory left).
+        limit = streaming_budget(self.config, [ref.entry.nbytes for ref in tensors.values()]).limit
         return KeyWalk(
             order,
             read,

@@ -3,7 +3,7 @@
 safetensors' idiom, ``for k in f.keys(): f.get_tensor(k)``, makes each tensor a run of its own:
 readers start, read one tensor and stop, and sit idle while the caller works. Once two calls ask
 for neighbouring keys, the keys that follow are read together in one run, a window that doubles
-with each window used up (to ``MAX_WINDOW_BYTES``, or ``memory_limit`` where smaller), and handed
+with each window used up (to ``MAX_WINDOW_BYTES``, or the streaming budget where smaller), and handed
 out from there. A call off the walk drops what was read ahead and reads its tensor alone.
 
 A window is read before the tensor asked for is returned, so an error is raised by the call that

@@ -112,6 +112,23 @@ def test_what_is_read_ahead_stays_within_memory_limit(
     assert sum(spy.runs) == written.nbytes  # nothing read twice
 
 
+def test_windows_stay_within_the_auto_budget_of_a_host_short_of_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no limit given, the auto budget bounds windows: on a host with 64 KiB available it is
+    two of the largest tensor."""
+    written = write_checkpoint(tmp_path, _tensors(), shards=2)
+    largest = max(t.nbytes for t in written.tensors.values())
+    monkeypatch.setattr("streamer.memory.available_memory", lambda: 64 * KiB)
+    spy = ReadSpy(monkeypatch)
+    with streamer.safe_open(written.source, "pt", config=config()) as f:
+        keys = f.keys()
+        for k in keys:
+            assert_same(f.get_tensor(k), written.tensors[k], k)
+    assert max(spy.runs) <= 2 * largest and len(spy.runs) > 2
+    assert sum(spy.runs) == written.nbytes
+
+
 @pytest.mark.parametrize("order", ["random", "every_other", "reversed", "repeated"])
 def test_calls_off_the_walk_are_exact_and_read_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, order: str
