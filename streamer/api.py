@@ -261,18 +261,13 @@ class Streamer:
     def key_walk(self, order: Sequence[str]) -> KeyWalk:
         """A read-ahead for ``get_tensor``-style calls walking the keys in ``order``."""
         tensors = self.checkpoint.tensors
-
-        def read(names: list[str]) -> list[torch.Tensor]:
-            if len(names) == 1:
-                return [self._read_alone(tensors[names[0]])]
-            return self.read([tensors[name] for name in names])
-
         # Within what a streaming read of this checkpoint may hold: the user's limit, or the auto one
         # (under 256 MiB only where the host has little memory left).
         limit = streaming_budget(self.config, [ref.entry.nbytes for ref in tensors.values()]).limit
         return KeyWalk(
             order,
-            read,
+            lambda name: self._read_alone(tensors[name]),
+            lambda names: self.read([tensors[name] for name in names]),
             lambda name: tensors[name].entry.nbytes,
             max_window_bytes=MAX_WINDOW_BYTES if limit is None else min(limit, MAX_WINDOW_BYTES),
         )

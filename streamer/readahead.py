@@ -26,22 +26,24 @@ MAX_WINDOW_BYTES = 256 << 20
 class KeyWalk:
     """Serves ``get(name)`` for a handle whose keys are walked in ``order``.
 
-    ``read`` reads tensors by name in one run (in the order given); ``nbytes`` says how many bytes
-    a tensor has. Tensors read ahead are held until asked for, dropped by a call off the walk, or
-    by ``clear``: at most one window of them.
+    ``read_one`` reads one tensor by name; ``read_many`` reads several in one run (in the order
+    given); ``nbytes`` says how many bytes a tensor has. Tensors read ahead are held until asked
+    for, dropped by a call off the walk, or by ``clear``: at most one window of them.
     """
 
     def __init__(
         self,
         order: Sequence[str],
-        read: Callable[[list[str]], list[torch.Tensor]],
+        read_one: Callable[[str], torch.Tensor],
+        read_many: Callable[[list[str]], list[torch.Tensor]],
         nbytes: Callable[[str], int],
         *,
         max_window_bytes: int = MAX_WINDOW_BYTES,
     ) -> None:
         self._order = list(order)
         self._position = {name: i for i, name in enumerate(self._order)}
-        self._read = read
+        self._read_one = read_one
+        self._read_many = read_many
         self._nbytes = nbytes
         self._max_window = max(1, max_window_bytes)
         self._window = 0  # bytes of the next window; 0 until the walk is seen
@@ -61,16 +63,16 @@ class KeyWalk:
             self._ahead.clear()
             if not walking:
                 self._window = 0
-                return self._read([name])[0]
+                return self._read_one(name)
             self._window = min(self._max_window, max(MIN_WINDOW_BYTES, 2 * self._window))
             names = self._window_from(position)
             if len(names) == 1:
-                return self._read(names)[0]
+                return self._read_one(name)
             try:
-                tensors = self._read(names)
+                tensors = self._read_many(names)
             except StreamerError:
                 self._window = 0
-                return self._read([name])[0]  # its own error, or the tensor if the fault was elsewhere
+                return self._read_one(name)  # its own error, or the tensor if the fault was elsewhere
             self.windows += 1
             self._ahead = dict(zip(names[1:], tensors[1:], strict=True))
             return tensors[0]

@@ -215,7 +215,9 @@ def test_windows_grow_to_their_cap_and_never_past_it() -> None:
         reads.append(names)
         return [torch.empty(0) for _ in names]
 
-    walk = KeyWalk(sorted(sizes), read, sizes.__getitem__, max_window_bytes=64 << 20)
+    walk = KeyWalk(
+        sorted(sizes), lambda name: read([name])[0], read, sizes.__getitem__, max_window_bytes=64 << 20
+    )
     for name in sorted(sizes):
         walk.get(name)
     window_bytes = [sum(sizes[n] for n in names) for names in reads]

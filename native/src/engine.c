@@ -423,10 +423,10 @@ static int flags_are_valid(const se_engine *e, const se_block *b, int external) 
 
 /* Caller holds the lock. external: the block must be of an external file (else of a local one). */
 static int block_is_valid(const se_engine *e, const se_block *b, int external) {
-    int valid = flags_are_valid(e, b, external) && b->file >= 0 && b->file < e->n_files && (e->files[b->file].fd < 0) == external &&
+    int valid = b->file >= 0 && b->file < e->n_files && (e->files[b->file].fd < 0) == external &&
            b->dst != NULL && b->first_unit <= b->last_unit &&
            b->last_unit < e->n_units && b->read_offset <= b->acc_begin && b->acc_begin < b->acc_end &&
-           b->acc_end <= b->read_offset + b->read_length;
+           b->acc_end <= b->read_offset + b->read_length && flags_are_valid(e, b, external);
     for (uint32_t u = b->first_unit; valid && u <= b->last_unit; u++) {
         valid = e->units[u].file == b->file;
     }
