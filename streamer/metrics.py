@@ -98,6 +98,7 @@ class LoadMetrics:
             "prefault_bytes": self.prefault_bytes,
             "page_fill": self.page_fill,
             "filled_bytes": int(self.engine.get("bytes_filled", 0)),  # placed through the page fill
+            "mapped_bytes": int(self.engine.get("bytes_mapped", 0)),  # of those, straight from the cache
             "requests": self.storage.get("requests", 0),  # S3 requests, retries included
             "retries": self.storage.get("retries", 0),  # S3 tries that failed and were retried
             "cache_hit_bytes": self.storage.get("cache_hit_bytes", 0),  # cache: chunk bytes read from it

@@ -33,6 +33,7 @@ from conftest import (
 )
 
 import streamer
+from streamer import pagecache
 from streamer.config import UNLIMITED, ConfigError, MemoryLimit, StreamerConfig
 from streamer.engine import native
 from streamer.engine.blocks import Block
@@ -88,6 +89,56 @@ def test_a_load_through_the_page_fill_is_bit_exact_and_says_so(tmp_path: Path, s
     with streamer.open(written.source, config=config(page_fill=False)) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)
+
+
+@needs_fill
+def test_cached_pages_are_placed_straight_from_the_cache_and_cold_ones_are_read(tmp_path: Path) -> None:
+    written = write_checkpoint(tmp_path, _tensors(7), shards=2)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    for path in files:
+        path.read_bytes()
+    with streamer.open(written.source, config=config(**FILLING)) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        warm = handle.metrics
+    # Every chunk of whole pages within a file comes from its mapping; a file's last page is read.
+    assert warm["filled_bytes"] - len(files) * MiB <= warm["mapped_bytes"] <= warm["filled_bytes"]
+    assert warm["mapped_bytes"] > 0
+    maps = Path("/proc/self/maps").read_text()
+    assert not any(str(path) in maps for path in files)  # the engine's mappings went with it
+
+    still_cached = pagecache.evict_and_verify(files)  # a tmpfs keeps its pages
+    with streamer.open(written.source, config=config(**FILLING)) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        cold = handle.metrics
+    assert cold["filled_bytes"] == warm["filled_bytes"]
+    if still_cached == 0:
+        # A file's first chunk is read (the reads' own readahead may bring the chunks after it).
+        assert cold["mapped_bytes"] <= cold["filled_bytes"] - len(files) * 4 * KiB
+
+
+@needs_fill
+def test_a_cached_file_cut_short_during_a_load_never_hands_out_its_lost_bytes(tmp_path: Path) -> None:
+    """Cut inside a page after the first tensor: the file's mapping still shows that page, zeros
+    past the new end. Every tensor handed out is exact; the load ends exact (the engine read all
+    before the cut) or with a ReadError naming the file. The C engine's tests pin the exact case."""
+    tensors = {f"t{i:03d}": torch.arange(i << 16, (i + 1) << 16, dtype=torch.int32) for i in range(128)}
+    written = write_checkpoint(tmp_path, tensors)
+    path = next(tmp_path.glob("*.safetensors"))
+    path.read_bytes()
+    one_reader = config(**FILLING, concurrency=1, memory_limit=UNLIMITED)
+    with streamer.open(written.source, config=one_reader) as handle:
+        stream = iter(handle)
+        name, tensor = next(stream)
+        os.truncate(path, path.stat().st_size // 2 + 1001)
+        got = {name: tensor}
+        try:
+            for name, tensor in stream:
+                got[name] = tensor
+        except ReadError as error:
+            assert str(path) in str(error)
+            assert len(got) < len(tensors)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, tensors[name]), name
 
 
 @needs_fill

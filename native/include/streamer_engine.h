@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped on every change to a struct layout, a signature or a constant below. The binding
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
-#define SE_ABI_VERSION 5
+#define SE_ABI_VERSION 6
 
 /* O_DIRECT reads need offset, length and destination on multiples of this. */
 #define SE_DIRECT_ALIGNMENT 4096
@@ -77,6 +77,8 @@ typedef struct se_unit {
  * buffer of the reader's own, and places each chunk's whole pages into dst with the page fill
  * (see se_fill_open): its dst, read_offset and read_length must be multiples of
  * SE_DIRECT_ALIGNMENT, and a last page cut short by the end of the file is completed with zeros.
+ * A chunk of a buffered file whose pages are all in the page cache is placed straight from a
+ * mapping of the file instead: one copy where the read into the buffer makes two.
  */
 typedef struct se_block {
     int32_t file;
@@ -104,6 +106,7 @@ typedef struct se_stats {
     uint64_t bytes_read;  /* bytes returned by pread */
     uint64_t blocks_done; /* blocks fully read */
     uint64_t bytes_filled; /* bytes placed through the page fill (whole pages) */
+    uint64_t bytes_mapped; /* of those, bytes placed straight from the page cache (a mapping of the file) */
     double read_seconds;  /* summed over workers: time inside pread */
     double idle_seconds;  /* summed over workers: time waiting for a block */
 } se_stats;

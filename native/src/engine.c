@@ -12,12 +12,16 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
 typedef struct se_file {
     int fd;          /* -1: an external file, read by someone else */
     int buffered_fd; /* fd itself for a buffered file; its own descriptor beside an O_DIRECT fd */
+    const char *map; /* a buffered file, mapped read-only (owned) for the page fill; NULL: none */
+    uint64_t map_length; /* the file's size when it was mapped */
 } se_file;
 
 struct se_engine {
@@ -110,15 +114,51 @@ static int32_t read_block(int fd, const se_block *b, uint64_t *got, int *sys_err
     return b->read_offset + *got >= b->acc_end ? SE_OK : SE_ERR_TRUNCATED;
 }
 
+/* Places the whole pages [offset, offset + length) of a mapped file straight from the page cache
+ * into dst. Only pages the file held when mapped and the cache holds now: a page missing from the
+ * cache would be read a fault at a time, where a read asks for the whole chunk. The file must still
+ * be as long after the copy, or a page cut by a truncation may have been copied as zeros. Returns 1
+ * if every page was placed; 0 if the caller must read the range instead (pages placed already are
+ * overwritten then, as pages that exist). */
+static int place_from_cache(const se_file *file, int fill_fd, char *dst, uint64_t offset, uint64_t length) {
+    unsigned char resident[SE_FILL_CHUNK / SE_DIRECT_ALIGNMENT];
+    if (file->map == NULL || length > SE_FILL_CHUNK || offset + length > file->map_length) {
+        return 0;
+    }
+    char *src = (char *)file->map + offset;
+    if (mincore(src, length, resident) != 0) {
+        return 0;
+    }
+    for (uint64_t page = 0; page < length / SE_DIRECT_ALIGNMENT; page++) {
+        if ((resident[page] & 1) == 0) {
+            return 0;
+        }
+    }
+    int sys_errno = 0;
+    int placed = se_fill_place(fill_fd, dst, src, (size_t)length, &sys_errno) == 0;
+    /* Unmapping this process's view of the pages keeps its resident set to the tensors: the cache
+     * keeps them. Failing only leaves them mapped, no byte differs. */
+    (void)madvise(src, length, MADV_DONTNEED);
+    struct stat now;
+    return placed && fstat(file->buffered_fd, &now) == 0 && (uint64_t)now.st_size >= offset + length;
+}
+
 /* Reads a SE_BLOCK_FILL block chunk by chunk into bounce (SE_FILL_CHUNK bytes) and places each
  * chunk's whole pages through the page fill, a last page cut short by the end of the file completed
- * with zeros. Returns like read_block; SE_ERR_FILL with *sys_errno if placing failed. */
-static int32_t fill_block(int fd, int fill_fd, char *bounce, const se_block *b, uint64_t *got,
-                          uint64_t *filled, int *sys_errno) {
+ * with zeros; a chunk the page cache holds goes straight from the file's mapping. Returns like
+ * read_block; SE_ERR_FILL with *sys_errno if placing failed. */
+static int32_t fill_block(int fd, const se_file *file, int fill_fd, char *bounce, const se_block *b,
+                          uint64_t *got, uint64_t *filled, uint64_t *mapped, int *sys_errno) {
     char *dst = (char *)b->dst;
     uint64_t done = 0;
     while (done < b->read_length) {
         uint64_t want = b->read_length - done < SE_FILL_CHUNK ? b->read_length - done : SE_FILL_CHUNK;
+        if (fd == file->buffered_fd && place_from_cache(file, fill_fd, dst + done, b->read_offset + done, want)) {
+            *filled += want;
+            *mapped += want;
+            done += want;
+            continue;
+        }
         uint64_t have = 0;
         int32_t status = read_range(fd, bounce, b->read_offset + done, want, b->acc_end, &have, sys_errno);
         if (status != SE_OK) {
@@ -201,6 +241,7 @@ static void *worker_main(void *arg) {
 
         uint64_t got = 0;
         uint64_t filled = 0;
+        uint64_t mapped = 0;
         int sys_errno = 0;
         double read_start = now_seconds();
         int32_t status;
@@ -209,7 +250,7 @@ static void *worker_main(void *arg) {
         } else if (bounce == NULL && (bounce = new_bounce()) == NULL) {
             status = SE_ERR_NOMEM;
         } else {
-            status = fill_block(fd, fill_fd, bounce, &block, &got, &filled, &sys_errno);
+            status = fill_block(fd, &file, fill_fd, bounce, &block, &got, &filled, &mapped, &sys_errno);
         }
         double read_seconds = now_seconds() - read_start;
 
@@ -217,6 +258,7 @@ static void *worker_main(void *arg) {
         e->stats.read_seconds += read_seconds;
         e->stats.bytes_read += got;
         e->stats.bytes_filled += filled;
+        e->stats.bytes_mapped += mapped;
         if (status != SE_OK) {
             record_error(e, status, sys_errno, &block, got);
         } else if (e->error.code == SE_OK) {
@@ -230,12 +272,15 @@ static void *worker_main(void *arg) {
 }
 
 /* Closes a file's descriptors (-1: none; the same descriptor twice for a buffered file). */
-static void close_file(int fd, int buffered_fd) {
-    if (fd >= 0) {
-        close(fd);
+static void close_file(const se_file *file) {
+    if (file->map != NULL) {
+        munmap((void *)file->map, (size_t)file->map_length);
     }
-    if (buffered_fd >= 0 && buffered_fd != fd) {
-        close(buffered_fd);
+    if (file->fd >= 0) {
+        close(file->fd);
+    }
+    if (file->buffered_fd >= 0 && file->buffered_fd != file->fd) {
+        close(file->buffered_fd);
     }
 }
 
@@ -260,7 +305,7 @@ static void teardown(se_engine *e, uint32_t started_workers) {
         pthread_join(e->workers[i], NULL);
     }
     for (int32_t i = 0; i < e->n_files; i++) {
-        close_file(e->files[i].fd, e->files[i].buffered_fd);
+        close_file(&e->files[i]);
     }
     pthread_cond_destroy(&e->done_ready);
     pthread_cond_destroy(&e->work_ready);
@@ -351,8 +396,22 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
     return e;
 }
 
-/* Appends a file entry; returns its index or SE_ERR_NOMEM (fd is not closed on failure). */
-static int32_t append_file(se_engine *e, int fd, int buffered_fd) {
+/* Maps a buffered file for the page fill to place cached pages from (place_from_cache). Without a
+ * mapping (an empty file, or mmap refused) the fill reads every chunk. */
+static void map_for_fill(se_file *file) {
+    struct stat st;
+    if (fstat(file->buffered_fd, &st) != 0 || st.st_size <= 0) {
+        return;
+    }
+    void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, file->buffered_fd, 0);
+    if (map != MAP_FAILED) {
+        file->map = map;
+        file->map_length = (uint64_t)st.st_size;
+    }
+}
+
+/* Appends a file entry; returns its index or SE_ERR_NOMEM (the file is not closed on failure). */
+static int32_t append_file(se_engine *e, se_file file) {
     pthread_mutex_lock(&e->lock);
     if (e->n_files == e->files_capacity) {
         int32_t capacity = e->files_capacity ? e->files_capacity * 2 : 8;
@@ -365,8 +424,7 @@ static int32_t append_file(se_engine *e, int fd, int buffered_fd) {
         e->files_capacity = capacity;
     }
     int32_t index = e->n_files++;
-    e->files[index].fd = fd;
-    e->files[index].buffered_fd = buffered_fd;
+    e->files[index] = file;
     pthread_mutex_unlock(&e->lock);
     return index;
 }
@@ -389,12 +447,13 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
         *is_direct = 0;
         return SE_ERR_OPEN;
     }
+    se_file file = {.fd = fd < 0 ? buffered_fd : fd, .buffered_fd = buffered_fd, .map = NULL, .map_length = 0};
     if (fd < 0) {
-        fd = buffered_fd;
+        map_for_fill(&file);
     }
-    int32_t index = append_file(e, fd, buffered_fd);
+    int32_t index = append_file(e, file);
     if (index < 0) {
-        close_file(fd, buffered_fd);
+        close_file(&file);
     }
     return index;
 }
@@ -410,7 +469,8 @@ int32_t se_engine_set_fill(se_engine *e, int32_t fill_fd) {
 }
 
 int32_t se_engine_add_external_file(se_engine *e) {
-    return append_file(e, -1, -1);
+    se_file external = {.fd = -1, .buffered_fd = -1, .map = NULL, .map_length = 0};
+    return append_file(e, external);
 }
 
 /* A page-fill block places whole pages: it needs the engine's page fill and page-aligned numbers. */

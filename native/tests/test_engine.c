@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -948,6 +949,57 @@ static size_t fill_blocks(const se_unit *units, uint32_t n_units, uint64_t size,
     return n;
 }
 
+/* Whether the page cache holds every page of [offset, offset + length) of fd (whole pages). */
+static int all_cached(int fd, uint64_t offset, uint64_t length) {
+    unsigned char resident[1024];
+    CHECK(length / 4096 <= sizeof(resident) && offset % 4096 == 0);
+    void *map = mmap(NULL, (size_t)length, PROT_READ, MAP_SHARED, fd, (off_t)offset);
+    CHECK(map != MAP_FAILED);
+    CHECK_EQ(mincore(map, (size_t)length, resident), 0);
+    CHECK_EQ(munmap(map, (size_t)length), 0);
+    for (uint64_t page = 0; page < length / 4096; page++) {
+        if ((resident[page] & 1) == 0) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* A file cut short after it was mapped: the pages its mapping still shows hold zeros past the new
+ * end, and those past it cannot be copied. Either way the chunk is read, and the block is
+ * truncated, never filled with zeros that the file no longer holds. */
+static void test_page_fill_of_a_file_cut_after_mapping(void) {
+    int32_t fill_fd = -1;
+    int32_t sys_errno = 0;
+    if (se_fill_open(&fill_fd, &sys_errno) != SE_OK) {
+        return; /* test_page_fill says why */
+    }
+    const uint64_t size = 3 * MIB;
+    const uint64_t cuts[2] = {2 * MIB + 1, MIB + 100};
+    const se_unit units[1] = {{0, 5000, 2 * MIB + 3, 0}};
+    unsigned char *data = random_bytes(size, 23);
+    for (int i = 0; i < 2; i++) {
+        temp_file f;
+        temp_create(&f, data, size);
+        unsigned char *dst = se_alloc(4 * MIB, 0);
+        CHECK(dst != NULL);
+        CHECK_EQ(se_fill_register(fill_fd, dst, 4 * MIB, &sys_errno), SE_OK);
+        se_engine *e = engine_new(2, units, 1);
+        CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+        CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+        CHECK_EQ(ftruncate(f.fd, (off_t)cuts[i]), 0);
+        se_block block = {0, 0, 0, SE_BLOCK_FILL, 5000, 2 * MIB + 3, 4096, 2 * MIB, dst + 4096};
+        CHECK_EQ(se_engine_submit(e, &block, 1), SE_OK);
+        CHECK_EQ(wait_for_error(e), SE_ERR_TRUNCATED);
+        se_engine_destroy(e);
+        CHECK_EQ(se_fill_unregister(fill_fd, dst, 4 * MIB, &sys_errno), SE_OK);
+        se_free(dst, 4 * MIB, 0);
+        temp_remove(&f);
+    }
+    se_fill_close(fill_fd);
+    free(data);
+}
+
 /* The page fill: fresh pages placed holding their bytes, buffered and O_DIRECT, a page that
  * exists already written plainly, the tail after EOF zero; the blocks it refuses; a kernel read
  * into an unfilled page fails (EFAULT) instead of waiting. */
@@ -992,6 +1044,9 @@ static void test_page_fill(void) {
         se_stats stats;
         se_engine_stats(e, &stats);
         CHECK_EQ(stats.bytes_filled, (size + 4095) / 4096 * 4096);
+        /* A buffered file just written is in the page cache: its whole pages come from its
+         * mapping, the last page (cut short by the end of the file) from a read. */
+        CHECK_EQ(stats.bytes_mapped, direct ? 0 : size / 4096 * 4096);
         se_engine_destroy(e);
         CHECK_EQ(se_fill_unregister(fill_fd, dst, mapped, &sys_errno), SE_OK);
         CHECK(memcmp(dst, data, size) == 0);
@@ -1024,6 +1079,23 @@ static void test_page_fill(void) {
     CHECK_EQ(se_engine_submit(e, &past, 1), SE_OK);
     CHECK_EQ(wait_for_error(e), SE_ERR_TRUNCATED);
     se_engine_destroy(e);
+
+    /* Pages the cache does not hold are read, not faulted in through the mapping. */
+    e = engine_new(1, units, 3);
+    CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
+    CHECK_EQ(fdatasync(f.fd), 0);
+    CHECK_EQ(posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    int cached = all_cached(f.fd, MIB, MIB); /* a tmpfs keeps its pages */
+    CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+    se_block middle = {0, 1, 1, SE_BLOCK_FILL, MIB, 2 * MIB, MIB, MIB, dst + MIB};
+    CHECK_EQ(se_engine_submit(e, &middle, 1), SE_OK);
+    wait_blocks_done(e, 1);
+    se_stats stats;
+    se_engine_stats(e, &stats);
+    CHECK_EQ(stats.bytes_filled, MIB);
+    CHECK_EQ(stats.bytes_mapped, cached ? MIB : 0);
+    se_engine_destroy(e);
+    CHECK(memcmp(dst + MIB, data + MIB, MIB) == 0);
 
     se_fill_close(fill_fd); /* unregisters what is left: the memory is plain again */
     CHECK(memcmp(dst + 3 * MIB, data + 3 * MIB, size - 3 * MIB) == 0);
@@ -1394,6 +1466,7 @@ int main(void) {
     RUN(test_memory_and_residency);
     RUN(test_populate_beside_writer);
     RUN(test_page_fill);
+    RUN(test_page_fill_of_a_file_cut_after_mapping);
     RUN(test_sampled_residency);
     RUN(test_ranged_residency);
     RUN(test_stats);

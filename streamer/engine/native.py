@@ -253,6 +253,7 @@ class Engine:
             "bytes_read": out.bytes_read,
             "blocks_done": out.blocks_done,
             "bytes_filled": out.bytes_filled,
+            "bytes_mapped": out.bytes_mapped,
             "read_seconds": out.read_seconds,
             "idle_seconds": out.idle_seconds,
         }
