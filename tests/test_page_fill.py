@@ -117,6 +117,27 @@ def test_cached_pages_are_placed_straight_from_the_cache_and_cold_ones_are_read(
 
 
 @needs_fill
+def test_under_an_address_space_limit_files_are_read_not_mapped(tmp_path: Path) -> None:
+    """A mapping spends address space the buffers need as well: under ``ulimit -v`` the fill reads."""
+    written = write_checkpoint(tmp_path, _tensors(9))
+    script = textwrap.dedent(
+        f"""
+        import json, resource
+        import streamer
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 40, resource.RLIM_INFINITY))
+        config = streamer.StreamerConfig(page_fill=True, io_mode="buffered")
+        with streamer.open({str(written.source)!r}, config=config) as handle:
+            dict(iter(handle))
+            print(json.dumps([handle.metrics["filled_bytes"], handle.metrics["mapped_bytes"]]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    filled, mapped = json.loads(done.stdout.splitlines()[-1])
+    assert (filled > 0, mapped) == (True, 0)
+
+
+@needs_fill
 def test_a_cached_file_cut_short_during_a_load_never_hands_out_its_lost_bytes(tmp_path: Path) -> None:
     """Cut inside a page after the first tensor: the file's mapping still shows that page, zeros
     past the new end. Every tensor handed out is exact; the load ends exact (the engine read all

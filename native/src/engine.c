@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -397,8 +398,13 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
 }
 
 /* Maps a buffered file for the page fill to place cached pages from (place_from_cache). Without a
- * mapping (an empty file, or mmap refused) the fill reads every chunk. */
+ * mapping the fill reads every chunk: an empty file, mmap refused, or a process with a limit on its
+ * address space, which the mapping would spend on bytes that the buffers need too. */
 static void map_for_fill(se_file *file) {
+    struct rlimit address_space;
+    if (getrlimit(RLIMIT_AS, &address_space) != 0 || address_space.rlim_cur != RLIM_INFINITY) {
+        return;
+    }
     struct stat st;
     if (fstat(file->buffered_fd, &st) != 0 || st.st_size <= 0) {
         return;
