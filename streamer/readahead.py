@@ -95,8 +95,9 @@ class KeyWalk:
             if ahead is not None:
                 return ahead
             if walking and self._next is not None and self._next.names[0] == name:
-                window, self._next = self._next, None
-                return self._take(window.names, window.wait())
+                read = self._next.wait()  # if interrupted, the window stays for clear() to join
+                names, self._next = self._next.names, None
+                return self._take(names, read)
             self._drop()
             if not walking:
                 self._window = 0
