@@ -28,7 +28,7 @@ from streamer.format.safetensors import TensorEntry
 from streamer.group.exchange import GroupExchange
 from streamer.memory import streaming_budget
 from streamer.progress import ByteProgress
-from streamer.readahead import MAX_AHEAD_BYTES, KeyWalk
+from streamer.readahead import MAX_WINDOW_BYTES, KeyWalk
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
 from streamer.run.packed import PackedSink
@@ -269,7 +269,7 @@ class Streamer:
             lambda name: self._read_alone(tensors[name]),
             lambda names: self.read([tensors[name] for name in names]),
             lambda name: tensors[name].entry.nbytes,
-            max_ahead_bytes=MAX_AHEAD_BYTES if limit is None else min(limit, MAX_AHEAD_BYTES),
+            max_window_bytes=MAX_WINDOW_BYTES if limit is None else min(limit, MAX_WINDOW_BYTES),
         )
 
     def _read_alone(self, ref: TensorRef) -> torch.Tensor:

@@ -1,10 +1,9 @@
 """Read-ahead for ``get_tensor`` walks (``streamer.readahead``): the safetensors idiom
 ``for k in f.keys(): f.get_tensor(k)`` reads the keys that follow in windows, not one run each.
 
-What must hold: every tensor bit-exact and its own memory, whatever the order of the calls; the next
-window is read while the caller takes the one before; what is read ahead stays within two windows
-(``memory_limit`` where smaller); an error is raised by the call that asks for the tensor it belongs
-to, never by one for a sound neighbour; closing the handle ends the read-ahead's thread.
+What must hold: every tensor bit-exact and its own memory, whatever the order of the calls; what is
+read ahead stays within one window (``memory_limit`` where smaller); an error is raised by the call
+that asks for the tensor it belongs to, never by one for a sound neighbour.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import streamer
 from streamer.api import Streamer
 from streamer.checkpoint import TensorRef
 from streamer.config import StreamerConfig
-from streamer.errors import ReadError, StreamerError
+from streamer.errors import ReadError
 from streamer.readahead import MIN_WINDOW_BYTES, KeyWalk
 
 
@@ -217,7 +216,7 @@ def test_windows_grow_to_their_cap_and_never_past_it() -> None:
         return [torch.empty(0) for _ in names]
 
     walk = KeyWalk(
-        sorted(sizes), lambda name: read([name])[0], read, sizes.__getitem__, max_ahead_bytes=128 << 20
+        sorted(sizes), lambda name: read([name])[0], read, sizes.__getitem__, max_window_bytes=64 << 20
     )
     for name in sorted(sizes):
         walk.get(name)
@@ -248,106 +247,3 @@ def test_a_walk_over_an_s3_checkpoint_reads_in_windows(
         assert f.handle.metrics["s3_files"] >= 1
     assert_same_dict(got, written.tensors)
     assert len(spy.runs) == 2
-
-
-class _FakeReads:
-    """Reads for a ``KeyWalk`` over 64 keys of 4 MiB: each tensor holds its key's number; a read of
-    several keys may be held at a gate, or fail, by the number of its first key."""
-
-    def __init__(self) -> None:
-        self.sizes = {f"k{i:02d}": 4 << 20 for i in range(64)}
-        self.many: list[tuple[list[str], str]] = []  # names, and the thread that read them
-        self.started = threading.Event()
-        self.gate = threading.Event()
-        self.gate.set()
-        self.failing: dict[str, BaseException] = {}
-
-    def one(self, name: str) -> torch.Tensor:
-        return torch.tensor([int(name[1:])])
-
-    def read_many(self, names: list[str]) -> list[torch.Tensor]:
-        self.many.append((names, threading.current_thread().name))
-        self.started.set()
-        assert self.gate.wait(timeout=60)
-        if names[0] in self.failing:
-            raise self.failing[names[0]]
-        return [self.one(name) for name in names]
-
-    def walk(self) -> KeyWalk:
-        return KeyWalk(sorted(self.sizes), self.one, self.read_many, self.sizes.__getitem__)
-
-
-def test_the_next_window_is_read_while_the_caller_takes_the_one_before() -> None:
-    reads = _FakeReads()
-    walk = reads.walk()
-    keys = sorted(reads.sizes)
-    assert walk.get(keys[0]).item() == 0  # alone: the walk is not seen yet
-    reads.gate.clear()
-    reads.started.clear()
-    first = threading.Thread(target=walk.get, args=(keys[1],))  # the first window: the caller waits
-    first.start()
-    assert reads.started.wait(timeout=60)
-    reads.started.clear()
-    reads.gate.set()
-    first.join(timeout=60)
-    # The window after it is being read now, by a thread of its own, before anyone asks for it.
-    assert reads.started.wait(timeout=60)
-    window, thread = reads.many[1]
-    assert thread == "streamer-readahead" and window[0] == keys[5]  # 16 MiB: k01..k04 in hand
-    for i, key in enumerate(keys[2:], start=2):
-        assert walk.get(key).item() == i
-    assert [len(names) for names, _ in reads.many] == [4, 8, 16, 32, 3]  # each window twice the last
-    walk.clear()
-
-
-def test_a_background_window_that_fails_is_read_alone_by_the_call_for_its_keys() -> None:
-    reads = _FakeReads()
-    keys = sorted(reads.sizes)
-    reads.failing[keys[5]] = StreamerError("the storage went away", path="k05's file")
-    walk = reads.walk()
-    for i, key in enumerate(keys):
-        assert walk.get(key).item() == i
-    # k05's window failed: k05 was read alone, then a window from k06 on, growing again.
-    assert [names[0] for names, _ in reads.many[:3]] == [keys[1], keys[5], keys[6]]
-    assert len(reads.many[2][0]) == 4
-
-
-def test_a_failure_other_than_a_storage_error_is_raised_by_the_call_that_takes_the_window() -> None:
-    reads = _FakeReads()
-    keys = sorted(reads.sizes)
-    reads.failing[keys[5]] = MemoryError("no memory for the window")
-    walk = reads.walk()
-    for key in keys[:5]:
-        walk.get(key)
-    with pytest.raises(MemoryError):
-        walk.get(keys[5])
-    assert walk.get(keys[6]).item() == 6  # the walk goes on
-
-
-def test_closing_a_handle_mid_walk_waits_for_the_window_being_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The read-ahead's thread reads through the handle's storage: it must be done before close()
-    returns, so closing leaves no thread behind."""
-    tensors = {f"w{i:02d}": torch.full((1 << 20,), i, dtype=torch.int32) for i in range(12)}
-    written = write_checkpoint(tmp_path, tensors)
-    started, gate = threading.Event(), threading.Event()
-    read = Streamer.read
-
-    def gated_read(handle: Streamer, refs: list[TensorRef]) -> list[torch.Tensor]:
-        if threading.current_thread().name == "streamer-readahead":
-            started.set()
-            assert gate.wait(timeout=60)
-        return read(handle, refs)
-
-    monkeypatch.setattr(Streamer, "read", gated_read)
-    f = streamer.safe_open(written.source, "pt", config=config())
-    for k in ["w00", "w01"]:  # w01: a window of 16 MiB, and the next one starts
-        assert_same(f.get_tensor(k), tensors[k], k)
-    assert started.wait(timeout=60)
-    opener = threading.Timer(2.0, gate.set)
-    opener.start()
-    f.close()
-    assert gate.is_set()  # close() waited for the window
-    opener.join()
-    assert not [t for t in threading.enumerate() if t.name == "streamer-readahead" and t.is_alive()]
