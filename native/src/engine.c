@@ -154,7 +154,9 @@ static int32_t fill_block(int fd, const se_file *file, int fill_fd, char *bounce
     uint64_t done = 0;
     while (done < b->read_length) {
         uint64_t want = b->read_length - done < SE_FILL_CHUNK ? b->read_length - done : SE_FILL_CHUNK;
-        if (fd == file->buffered_fd && place_from_cache(file, fill_fd, dst + done, b->read_offset + done, want)) {
+        int cached = fd == file->buffered_fd &&
+                     place_from_cache(file, fill_fd, dst + done, b->read_offset + done, want);
+        if (cached) {
             *filled += want;
             *mapped += want;
             done += want;
@@ -272,7 +274,7 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-/* Closes a file's descriptors (-1: none; the same descriptor twice for a buffered file). */
+/* Unmaps a file and closes its descriptors (-1: none; the same descriptor twice for a buffered file). */
 static void close_file(const se_file *file) {
     if (file->map != NULL) {
         munmap((void *)file->map, (size_t)file->map_length);
@@ -453,7 +455,7 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
         *is_direct = 0;
         return SE_ERR_OPEN;
     }
-    se_file file = {.fd = fd < 0 ? buffered_fd : fd, .buffered_fd = buffered_fd, .map = NULL, .map_length = 0};
+    se_file file = {.fd = fd < 0 ? buffered_fd : fd, .buffered_fd = buffered_fd, .map = NULL};
     if (fd < 0) {
         map_for_fill(&file);
     }
