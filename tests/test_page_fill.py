@@ -100,9 +100,9 @@ def test_cached_pages_are_placed_straight_from_the_cache_and_cold_ones_are_read(
     with streamer.open(written.source, config=config(**FILLING)) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         warm = handle.metrics
-    # Every chunk of whole pages within a file comes from its mapping; a file's last page is read.
-    assert warm["filled_bytes"] - len(files) * MiB <= warm["mapped_bytes"] <= warm["filled_bytes"]
-    assert warm["mapped_bytes"] > 0
+    # Chunks of whole pages the cache holds come from the file's mapping (the C engine's tests pin
+    # how many); a file's last page is read.
+    assert 0 < warm["mapped_bytes"] <= warm["filled_bytes"]
     maps = Path("/proc/self/maps").read_text()
     assert not any(str(path) in maps for path in files)  # the engine's mappings went with it
 
