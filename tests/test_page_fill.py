@@ -131,7 +131,10 @@ def test_under_an_address_space_limit_files_are_read_not_mapped(tmp_path: Path) 
             print(json.dumps([handle.metrics["filled_bytes"], handle.metrics["mapped_bytes"]]))
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     filled, mapped = json.loads(done.stdout.splitlines()[-1])
     assert (filled > 0, mapped) == (True, 0)
