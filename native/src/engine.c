@@ -154,9 +154,7 @@ static int32_t fill_block(int fd, const se_file *file, int fill_fd, char *bounce
     uint64_t done = 0;
     while (done < b->read_length) {
         uint64_t want = b->read_length - done < SE_FILL_CHUNK ? b->read_length - done : SE_FILL_CHUNK;
-        int cached = fd == file->buffered_fd &&
-                     place_from_cache(file, fill_fd, dst + done, b->read_offset + done, want);
-        if (cached) {
+        if (place_from_cache(file, fill_fd, dst + done, b->read_offset + done, want)) {
             *filled += want;
             *mapped += want;
             done += want;
@@ -399,10 +397,14 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
     return e;
 }
 
-/* Maps a buffered file for the page fill to place cached pages from (place_from_cache). Without a
- * mapping the fill reads every chunk: an empty file, mmap refused, or a process with a limit on its
- * address space, which the mapping would spend on bytes that the buffers need too. */
+/* Maps a buffered file for the page fill to place cached pages from (place_from_cache); only once
+ * the engine has a page fill. Without a mapping the fill reads every chunk: an O_DIRECT or external
+ * file, an empty one, mmap refused, or a process with a limit on its address space, which the
+ * mapping would spend on bytes that the buffers need too. */
 static void map_for_fill(se_file *file) {
+    if (file->map != NULL || file->fd < 0 || file->fd != file->buffered_fd) {
+        return;
+    }
     struct rlimit address_space;
     if (getrlimit(RLIMIT_AS, &address_space) != 0 || address_space.rlim_cur != RLIM_INFINITY) {
         return;
@@ -418,7 +420,8 @@ static void map_for_fill(se_file *file) {
     }
 }
 
-/* Appends a file entry; returns its index or SE_ERR_NOMEM (the file is not closed on failure). */
+/* Appends a file entry, mapped if the engine has a page fill; returns its index or SE_ERR_NOMEM
+ * (the file is not closed on failure). */
 static int32_t append_file(se_engine *e, se_file file) {
     pthread_mutex_lock(&e->lock);
     if (e->n_files == e->files_capacity) {
@@ -433,6 +436,9 @@ static int32_t append_file(se_engine *e, se_file file) {
     }
     int32_t index = e->n_files++;
     e->files[index] = file;
+    if (e->fill_fd >= 0) {
+        map_for_fill(&e->files[index]);
+    }
     pthread_mutex_unlock(&e->lock);
     return index;
 }
@@ -455,10 +461,7 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
         *is_direct = 0;
         return SE_ERR_OPEN;
     }
-    se_file file = {.fd = fd < 0 ? buffered_fd : fd, .buffered_fd = buffered_fd, .map = NULL};
-    if (fd < 0) {
-        map_for_fill(&file);
-    }
+    se_file file = {.fd = fd < 0 ? buffered_fd : fd, .buffered_fd = buffered_fd};
     int32_t index = append_file(e, file);
     if (index < 0) {
         close_file(&file);
@@ -472,12 +475,15 @@ int32_t se_engine_set_fill(se_engine *e, int32_t fill_fd) {
     }
     pthread_mutex_lock(&e->lock);
     e->fill_fd = fill_fd;
+    for (int32_t i = 0; i < e->n_files; i++) {
+        map_for_fill(&e->files[i]);
+    }
     pthread_mutex_unlock(&e->lock);
     return SE_OK;
 }
 
 int32_t se_engine_add_external_file(se_engine *e) {
-    se_file external = {.fd = -1, .buffered_fd = -1, .map = NULL, .map_length = 0};
+    se_file external = {.fd = -1, .buffered_fd = -1};
     return append_file(e, external);
 }
 

@@ -949,6 +949,19 @@ static size_t fill_blocks(const se_unit *units, uint32_t n_units, uint64_t size,
     return n;
 }
 
+/* Whether this process maps path (/proc/self/maps names it). */
+static int is_mapped(const char *path) {
+    FILE *maps = fopen("/proc/self/maps", "r");
+    CHECK(maps != NULL);
+    char line[8192];
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), maps) != NULL) {
+        found = strstr(line, path) != NULL;
+    }
+    CHECK_EQ(fclose(maps), 0);
+    return found;
+}
+
 /* Whether the page cache holds every page of [offset, offset + length) of fd (whole pages). */
 static int all_cached(int fd, uint64_t offset, uint64_t length) {
     unsigned char resident[1024];
@@ -1030,7 +1043,9 @@ static void test_page_fill(void) {
         CHECK_EQ(engine_add(e, f.path, direct, &is_direct), 0);
         CHECK_EQ(se_engine_submit(e, blocks, 1), SE_ERR_INVALID); /* no page fill lent yet */
         CHECK_EQ(se_engine_set_fill(e, -1), SE_ERR_INVALID);
+        CHECK(!is_mapped(f.path)); /* an engine without a page fill maps nothing */
         CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+        CHECK_EQ(is_mapped(f.path), !is_direct);
         se_block bad = blocks[0];
         bad.read_length -= 512; /* not whole pages */
         CHECK_EQ(se_engine_submit(e, &bad, 1), SE_ERR_INVALID);
@@ -1046,8 +1061,9 @@ static void test_page_fill(void) {
         CHECK_EQ(stats.bytes_filled, (size + 4095) / 4096 * 4096);
         /* A buffered file just written is in the page cache: its whole pages come from its
          * mapping, the last page (cut short by the end of the file) from a read. */
-        CHECK_EQ(stats.bytes_mapped, direct ? 0 : size / 4096 * 4096);
+        CHECK_EQ(stats.bytes_mapped, is_direct ? 0 : size / 4096 * 4096);
         se_engine_destroy(e);
+        CHECK(!is_mapped(f.path));
         CHECK_EQ(se_fill_unregister(fill_fd, dst, mapped, &sys_errno), SE_OK);
         CHECK(memcmp(dst, data, size) == 0);
         for (uint64_t i = size; i < mapped; i++) {
