@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,6 +366,16 @@ def reference_load(shards: Sequence[str | os.PathLike[str]]) -> dict[str, torch.
 def thread_count() -> int:
     """Kernel threads of this process (native pthreads included, unlike threading.active_count)."""
     return len(os.listdir("/proc/self/task"))
+
+
+def settled_thread_count(at_most: int, seconds: float = 10.0) -> int:
+    """``thread_count()`` once it is ``at_most`` or ``seconds`` have passed: a joined thread can
+    still be listed in /proc/self/task for a moment (pthread_join returns before the kernel
+    releases it), which a busy machine stretches."""
+    deadline = time.monotonic() + seconds
+    while thread_count() > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return thread_count()
 
 
 def takes_direct_io(directory: Path) -> bool:

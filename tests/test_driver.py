@@ -20,6 +20,7 @@ from conftest import (
     config,
     random_tensor,
     reference_load,
+    settled_thread_count,
     thread_count,
     write_checkpoint,
 )
@@ -172,7 +173,7 @@ def test_a_sink_error_ends_the_run_and_closes_reader_and_sink(written: Written) 
         for _ in results:
             pass
     assert sink.closed == 1
-    assert thread_count() == threads  # the reader's threads are gone
+    assert settled_thread_count(threads) == threads  # the reader's threads are gone
 
 
 def test_dropping_a_run_midway_closes_it(written: Written) -> None:
@@ -183,7 +184,7 @@ def test_dropping_a_run_midway_closes_it(written: Written) -> None:
     assert thread_count() > threads
     results.close()
     assert sink.closed == 1
-    assert thread_count() == threads
+    assert settled_thread_count(threads) == threads
 
 
 def test_a_run_never_started_holds_nothing(written: Written) -> None:
