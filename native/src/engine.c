@@ -108,7 +108,8 @@ static int32_t read_range(int fd, char *dst, uint64_t offset, uint64_t length, u
 
 /* Reads the block; returns SE_OK or a status, with *got = bytes obtained. */
 static int32_t read_block(int fd, const se_block *b, uint64_t *got, int *sys_errno) {
-    int32_t status = read_range(fd, (char *)b->dst, b->read_offset, b->read_length, b->acc_end, got, sys_errno);
+    int32_t status =
+        read_range(fd, (char *)b->dst, b->read_offset, b->read_length, b->acc_end, got, sys_errno);
     if (status != SE_OK) {
         return status;
     }

@@ -84,7 +84,8 @@ int32_t se_resident_bytes(const char *path, uint64_t offset, uint64_t length, ui
     }
     if (status == SE_OK) {
         /* Scaled from the windows looked at to the whole range; exact when sample_every is 1. */
-        uint64_t bytes = looked == *total ? found : (uint64_t)((double)found / (double)looked * (double)*total);
+        uint64_t bytes =
+            looked == *total ? found : (uint64_t)((double)found / (double)looked * (double)*total);
         *resident = bytes > *total ? *total : bytes;
     }
     free(vec);
