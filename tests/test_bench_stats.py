@@ -55,13 +55,20 @@ def test_too_few_rounds_give_no_verdict() -> None:
     assert stats.compare({0: 1.0}, {1: 1.0}).ratio is None
 
 
-def _config(loader: str, knobs: tuple[tuple[str, str | int], ...], seconds: list[float | None]) -> Config:
+def _config(
+    loader: str,
+    knobs: tuple[tuple[str, str | int], ...],
+    seconds: list[float | None],
+    cpu_seconds: list[float] | None = None,
+) -> Config:
     config = Config(Setting(loader, knobs), ["x.safetensors"], "x")
+    cpu = cpu_seconds or [0.5] * len(seconds)
     for i, value in enumerate(seconds):
         if value is None:
             config.runs.append(Run(i, False, error="FAILED"))
         else:
-            config.runs.append(Run(i, True, value, 1 << 30, 1, 1 << 20, minor_faults=2000, cpu_seconds=0.5))
+            run = Run(i, True, value, 1 << 30, 1, 1 << 20, minor_faults=2000, cpu_seconds=cpu[i])
+            config.runs.append(run)
     return config
 
 
@@ -80,3 +87,42 @@ def test_section_compares_streamer_with_each_peer_at_its_best() -> None:
     assert by_loader["safetensors"]["verdict"] == "behind"
     ours = section["results"][0]
     assert ours["faults_per_gib"] == pytest.approx(2000) and ours["cpu_s"] == 0.5
+
+
+def test_cpu_seconds_are_paired_beside_the_wall_time() -> None:
+    """Where both clocks are bound by the disk, the CPU verdict still tells the loaders apart."""
+    walls = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0]
+    configs = [
+        _config("streamer", (), walls, cpu_seconds=[0.5, 0.6, 0.5, 0.55, 0.5, 0.5]),
+        _config(
+            "runai",
+            (),
+            [w * s for w, s in zip(walls, [0.9, 1.1, 1.0, 1.05, 0.95, 1.0], strict=True)],
+            cpu_seconds=[1.5, 1.6, 1.4, 1.7, 1.5, 1.5],
+        ),
+    ]
+    section = report.section("cold", configs, [])
+    (compared,) = section["comparisons"]
+    assert compared["verdict"] == "not separable"
+    cpu = compared["cpu"]
+    assert cpu["verdict"] == "ahead" and cpu["rounds"] == 6 and cpu["low"] > 2.5
+    assert cpu["ratio"] == pytest.approx(3.0, rel=0.1)
+    document = {
+        "checkpoint": {"files": ["x.safetensors"], "tensor_bytes": 1 << 30, "tensor_count": 1, "source": "x"},
+        "options": {"device": "cpu", "repeat": 6},
+        "machine": {"filesystem": {"type": "ext4"}},
+        "sections": [section],
+        "memory_ceilings": [],
+        "skipped": [],
+    }
+    line = next(x for x in report.render(document).splitlines() if x.startswith("  runai"))
+    assert "NOT SEPARABLE (CPU seconds 3.00x [" in line and line.endswith("]: AHEAD)")
+
+
+def test_runs_without_cpu_seconds_give_no_cpu_verdict() -> None:
+    configs = [_config("streamer", (), [1.0] * 6), _config("runai", (), [2.0] * 6)]
+    for run in configs[1].runs:
+        run.cpu_seconds = None
+    (compared,) = report.section("warm", configs, [])["comparisons"]
+    assert compared["verdict"] == "ahead" and compared["cpu"]["ratio"] is None
+    assert "CPU" not in report._comparison_line(compared)

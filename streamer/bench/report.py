@@ -96,19 +96,22 @@ _SUMMARY_KEYS = (
 )
 
 
-def _seconds_by_round(result: dict[str, Any]) -> dict[int, float]:
-    return {run["repeat"]: run["seconds"] for run in result["runs"] if run["valid"] and run["seconds"]}
+def _by_round(result: dict[str, Any], measure: str) -> dict[int, float]:
+    """A run's ``measure`` (``seconds`` or ``cpu_seconds``) per round, for the valid runs that have it."""
+    return {run["repeat"]: run[measure] for run in result["runs"] if run["valid"] and run[measure]}
 
 
 def comparisons(reference: dict[str, Any], best: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Streamer's reference setting against each peer at its best setting, paired by round."""
-    ours = _seconds_by_round(reference)
+    """Streamer's reference setting against each peer at its best setting, paired by round: wall
+    seconds, and under ``cpu`` the CPU seconds, which show the work a storage-bound clock hides."""
     out = []
     for peer in best:
         if peer["loader"] == "streamer":
             continue
-        paired = stats.compare(ours, _seconds_by_round(peer))
+        paired = stats.compare(_by_round(reference, "seconds"), _by_round(peer, "seconds"))
+        cpu = stats.compare(_by_round(reference, "cpu_seconds"), _by_round(peer, "cpu_seconds"))
         out.append({"loader": peer["loader"], "setting": peer["setting"], **asdict(paired)})
+        out[-1]["cpu"] = asdict(cpu)
     return out
 
 
@@ -178,13 +181,21 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     return [line(_HEADER), line(tuple("-" * w for w in widths)), *(line(r) for r in rows)]
 
 
+def _paired_text(c: dict[str, Any]) -> str:
+    interval = f" [{c['low']:.2f}, {c['high']:.2f}]" if c["low"] is not None else ""
+    return f"{c['ratio']:.2f}x{interval}"
+
+
 def _comparison_line(c: dict[str, Any]) -> str:
     peer = f"{c['loader']} {c['setting']}"
     if c["ratio"] is None:
         return f"  {peer}: no round where both ran"
-    interval = f" [{c['low']:.2f}, {c['high']:.2f}]" if c["low"] is not None else ""
     rounds = f"{c['rounds']} round{'s' if c['rounds'] != 1 else ''}"
-    return f"  {peer}: {c['ratio']:.2f}x{interval} over {rounds}: {c['verdict'].upper()}"
+    line = f"  {peer}: {_paired_text(c)} over {rounds}: {c['verdict'].upper()}"
+    cpu = c.get("cpu")
+    if cpu and cpu["ratio"] is not None:
+        line += f" (CPU seconds {_paired_text(cpu)}: {cpu['verdict'].upper()})"
+    return line
 
 
 def _ceiling_line(c: dict[str, Any]) -> str:
@@ -238,7 +249,8 @@ def render(document: dict[str, Any]) -> str:
             out += [
                 "",
                 f"-- {sec['cache']}: streamer {ref} vs each peer at its best, paired by round "
-                "(peer time ÷ streamer time: above 1, streamer is faster; 95% bootstrap interval)",
+                "(peer time ÷ streamer time: above 1, streamer is faster; 95% bootstrap interval; "
+                "CPU seconds paired the same way: above 1, streamer used less)",
                 *(_comparison_line(c) for c in sec["comparisons"]),
             ]
         if sec["ceilings"]:
