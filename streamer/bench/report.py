@@ -104,14 +104,14 @@ def _by_round(result: dict[str, Any], measure: str) -> dict[int, float]:
 def comparisons(reference: dict[str, Any], best: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Streamer's reference setting against each peer at its best setting, paired by round: wall
     seconds, and under ``cpu`` the CPU seconds, which show the work a storage-bound clock hides."""
+    our_seconds, our_cpu = _by_round(reference, "seconds"), _by_round(reference, "cpu_seconds")
     out = []
     for peer in best:
         if peer["loader"] == "streamer":
             continue
-        paired = stats.compare(_by_round(reference, "seconds"), _by_round(peer, "seconds"))
-        cpu = stats.compare(_by_round(reference, "cpu_seconds"), _by_round(peer, "cpu_seconds"))
-        out.append({"loader": peer["loader"], "setting": peer["setting"], **asdict(paired)})
-        out[-1]["cpu"] = asdict(cpu)
+        paired = asdict(stats.compare(our_seconds, _by_round(peer, "seconds")))
+        cpu = asdict(stats.compare(our_cpu, _by_round(peer, "cpu_seconds")))
+        out.append({"loader": peer["loader"], "setting": peer["setting"], **paired, "cpu": cpu})
     return out
 
 
@@ -192,8 +192,8 @@ def _comparison_line(c: dict[str, Any]) -> str:
         return f"  {peer}: no round where both ran"
     rounds = f"{c['rounds']} round{'s' if c['rounds'] != 1 else ''}"
     line = f"  {peer}: {_paired_text(c)} over {rounds}: {c['verdict'].upper()}"
-    cpu = c.get("cpu")
-    if cpu and cpu["ratio"] is not None:
+    cpu = c["cpu"]
+    if cpu["ratio"] is not None:
         line += f" (CPU seconds {_paired_text(cpu)}: {cpu['verdict'].upper()})"
     return line
 
