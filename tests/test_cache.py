@@ -36,6 +36,7 @@ from conftest import (
     random_tensor,
     reference_load,
     s3_client,
+    settled_thread_count,
     thread_count,
     write_checkpoint,
 )
@@ -698,10 +699,7 @@ def test_a_server_failing_while_it_confirms_a_note_is_retried_or_a_typed_error(
         assert not handed and caught.value.attempts >= 1
     finally:
         proxy.close()
-    until = time.monotonic() + 5
-    while thread_count() > threads and time.monotonic() < until:
-        time.sleep(0.05)
-    assert thread_count() <= threads
+    assert settled_thread_count(threads, seconds=5) <= threads
     assert not [t for t in threading.enumerate() if t.name.startswith("streamer")]
 
 
