@@ -17,6 +17,7 @@ from streamer.errors import (
     S3MissingError,
     S3SourceError,
     SourceError,
+    SourceTypeError,
     StreamerError,
     TruncatedFileError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "S3MissingError",
     "S3SourceError",
     "SourceError",
+    "SourceTypeError",
     "Streamer",
     "StreamerConfig",
     "StreamerError",

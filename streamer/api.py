@@ -34,7 +34,7 @@ from streamer.run.driver import Run
 from streamer.run.packed import PackedSink
 from streamer.run.staged import StagedSink, Staging
 from streamer.slicing import Packing
-from streamer.sources import SourceLike
+from streamer.sources import SourceArg, as_source
 
 Order = Literal["completion", "checkpoint"]
 
@@ -93,7 +93,7 @@ class Streamer:
 
     def __init__(
         self,
-        source: SourceLike,
+        source: SourceArg,
         *,
         device: str | int | torch.device = "cpu",
         config: StreamerConfig | None = None,
@@ -105,6 +105,7 @@ class Streamer:
         self.device = parse_device(device)
         self.config = config if config is not None else StreamerConfig()
         self._order = order
+        source = as_source(source)
         # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
         # this handle; closed by close(), or when the handle is collected without it.
         self._storage = open_storage(source, self.config)
@@ -409,7 +410,7 @@ def _new_tensor(
 
 
 def open(
-    source: SourceLike,
+    source: SourceArg,
     *,
     device: str | int | torch.device = "cpu",
     config: StreamerConfig | None = None,
@@ -424,7 +425,7 @@ def open(
 
 
 def load(
-    source: SourceLike,
+    source: SourceArg,
     device: str | int | torch.device = "cpu",
     *,
     config: StreamerConfig | None = None,
@@ -455,7 +456,7 @@ SAFETENSORS_BACKENDS = ("mmap", "pread")  # what safetensors' ``backend=`` accep
 
 
 def load_file(
-    filename: SourceLike,
+    filename: SourceArg,
     device: str | int | torch.device = "cpu",
     *,
     backend: str = "mmap",
@@ -482,7 +483,7 @@ class IncompatibleKeys(NamedTuple):
 
 def load_into(
     dest: Mapping[str, torch.Tensor],
-    source: SourceLike,
+    source: SourceArg,
     *,
     config: StreamerConfig | None = None,
     strict: bool = True,
@@ -502,6 +503,7 @@ def load_into(
     rest (``streamer.group``). The tensors of ``dest`` must then be contiguous.
     """
     config = config if config is not None else StreamerConfig()
+    source = as_source(source)
     with open_storage(source, config) as storage:
         checkpoint = read_checkpoint(storage, source)
         if group is not None:  # every rank plans from a confirmed open

@@ -13,7 +13,7 @@ from streamer.backends.base import Opened, Storage, StoredFile
 from streamer.config import S3Config, StreamerConfig
 from streamer.errors import MissingTensorError, SourceError, StreamerError
 from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
-from streamer.sources import ResolvedSource, SourceLike
+from streamer.sources import ResolvedSource, SourceArg, SourceLike, as_source
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,10 @@ class Checkpoint:
         return sum(ref.entry.nbytes for ref in self.tensors.values())
 
 
-def open_checkpoint(source: SourceLike, s3_config: S3Config | None = None) -> Checkpoint:
+def open_checkpoint(source: SourceArg, s3_config: S3Config | None = None) -> Checkpoint:
     """Resolves the source and parses every header through a storage session of its own, closed
     before returning; no tensor data is read."""
+    source = as_source(source)
     config = StreamerConfig() if s3_config is None else StreamerConfig(s3=s3_config)
     with open_storage(source, config) as storage:
         return confirmed(storage, read_checkpoint(storage, source))

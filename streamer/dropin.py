@@ -23,7 +23,7 @@ from streamer.destinations.cpu import MemoryBudget, allocate_buffer
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
 from streamer.format.safetensors import TensorEntry
 from streamer.readahead import KeyWalk
-from streamer.sources import SourceLike
+from streamer.sources import SourceArg
 
 FRAMEWORKS = ("pt", "torch")
 
@@ -39,7 +39,7 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
 
     def __init__(
         self,
-        filename: SourceLike,
+        filename: SourceArg,
         framework: str = "pt",
         device: str | int | torch.device = "cpu",
         *,

@@ -31,6 +31,10 @@ class SourceError(StreamerError):
     """The source cannot be resolved: missing file, bad index, duplicate tensor names, …"""
 
 
+class SourceTypeError(ConfigError, TypeError):
+    """The source is not a path, a URI or a list of them: also a ``TypeError``, as ``open()`` raises."""
+
+
 class MissingFileError(SourceError, FileNotFoundError):
     """The file does not exist: also a ``FileNotFoundError``, which code written for
     ``safetensors`` catches."""

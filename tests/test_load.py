@@ -232,14 +232,15 @@ def test_sources(mixed: Written, mixed_reference: dict[str, torch.Tensor], kind:
 
 
 def test_index_reads_only_the_shards_it_references(tmp_path: Path) -> None:
-    """A directory may hold stale shards; an index source loads exactly what its weight_map names."""
+    """A directory may hold stale shards; an index, named or found in the directory, loads exactly
+    what its weight_map names."""
     written = write_checkpoint(tmp_path, {"a": torch.arange(10.0), "b": torch.ones(3)}, shards=2)
     safetensors.torch.save_file({"stale": torch.zeros(5)}, str(tmp_path / "old.safetensors"))
     got = streamer.load(written.index, config=config())
     assert set(got) == {"a", "b"}
     with streamer.open(written.index) as s:
         assert set(s.files) == {str(p) for p in written.shards}
-    assert set(streamer.load(tmp_path, config=config())) == {"a", "b", "stale"}  # a directory takes all
+    assert set(streamer.load(tmp_path, config=config())) == {"a", "b"}  # a directory's index too
 
 
 # --- settings -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import gc
+import json
 import logging
 import threading
 import time
@@ -231,6 +232,49 @@ def test_index_with_a_missing_shard(s3_server: str, s3: Any) -> None:
     )
     with pytest.raises(S3SourceError, match="index references a missing"):
         streamer.load(f"s3://{BUCKET}/broken/model.safetensors.index.json", config=cfg(s3_server))
+
+
+def test_a_prefix_with_an_index_reads_exactly_its_shards(s3_server: str, s3: Any, tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"w{i}": random_tensor((64,), torch.float32, g) for i in range(6)}
+    written = write_checkpoint(tmp_path / "m", tensors, shards=3)
+    stray = write_checkpoint(tmp_path / "m", tensors, index=False, prefix="consolidated")
+    upload(s3, written, "indexed")
+    s3.upload_file(str(stray.shards[0]), BUCKET, "indexed/consolidated.safetensors")
+    for source in (f"s3://{BUCKET}/indexed/", f"s3://{BUCKET}/indexed"):
+        with streamer.open(source, config=cfg(s3_server)) as handle:
+            assert sorted(handle.files) == [f"s3://{BUCKET}/indexed/{p.name}" for p in written.shards]
+            assert_same_dict(dict(handle), tensors)
+    s3.delete_object(Bucket=BUCKET, Key=f"indexed/{written.shards[1].name}")  # an interrupted upload
+    with pytest.raises(S3SourceError, match="index references a missing") as info:
+        streamer.load(f"s3://{BUCKET}/indexed/", config=cfg(s3_server))
+    assert info.value.key == f"indexed/{written.shards[1].name}"
+
+
+@pytest.mark.parametrize(
+    "entry", ["../single/x.safetensors", "/single/x.safetensors", "a/../../x.safetensors"]
+)
+def test_an_index_entry_outside_its_prefix_is_refused(s3_server: str, s3: Any, entry: str) -> None:
+    s3.put_object(
+        Bucket=BUCKET,
+        Key="escaping/model.safetensors.index.json",
+        Body=json.dumps({"weight_map": {"a": entry}}).encode(),
+    )
+    for source in (f"s3://{BUCKET}/escaping/model.safetensors.index.json", f"s3://{BUCKET}/escaping/"):
+        with pytest.raises(SourceError, match="outside the index's directory") as info:
+            streamer.load(source, config=cfg(s3_server))
+        assert info.value.path == f"s3://{BUCKET}/escaping/model.safetensors.index.json"
+        assert info.value.tensor == "a"
+
+
+def test_an_index_object_over_the_limit_is_refused_from_its_size(
+    s3_server: str, s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(streamer.backends.s3.storage, "MAX_INDEX_BYTES", 1000)
+    s3.put_object(Bucket=BUCKET, Key="huge/model.safetensors.index.json", Body=b" " * 5000)
+    with pytest.raises(S3SourceError, match="more than the limit of 1000") as info:
+        streamer.load(f"s3://{BUCKET}/huge/model.safetensors.index.json", config=cfg(s3_server))
+    assert info.value.key == "huge/model.safetensors.index.json"
 
 
 def test_not_a_safetensors_object(s3_server: str, s3: Any) -> None:

@@ -34,6 +34,10 @@ from streamer.errors import HeaderError, SourceError, TruncatedFileError
 from streamer.format.dtypes import DTYPES, NO_TORCH_DTYPE, DType
 
 MAX_HEADER_BYTES = 100_000_000  # the same cap safetensors applies
+# Tensors one file may declare. Parsing costs ~25 us and ~1 KiB per tensor: a 100 MB header
+# naming 1.4 million would take half a minute and a GiB or two. The largest checkpoints we know
+# hold ~1k tensors per shard and ~100k in all.
+MAX_TENSORS = 1 << 18
 PREFIX_BYTES = 8
 LOCAL_FRONT_BYTES = 1 << 16  # a local header read starts with this many bytes: one pread for most files
 METADATA_KEY = "__metadata__"
@@ -107,7 +111,12 @@ def header_length(prefix: bytes, *, path: str, file_size: int) -> int:
 def parse_header(header: bytes, *, path: str, file_size: int) -> FileHeader:
     """Validate the ``n`` header bytes that follow the prefix of a ``file_size``-byte file."""
     _check_length(len(header), path=path, file_size=file_size)
+    # Each tensor written as an object has one "data_offsets" key: refused before the JSON is read.
+    if bytes(header).count(b'"data_offsets"') > MAX_TENSORS:
+        raise HeaderError(f"header declares more than {MAX_TENSORS} tensors (the limit per file)", path=path)
     top = _load_json(header, path=path)
+    if len(top) - (METADATA_KEY in top) > MAX_TENSORS:
+        raise HeaderError(f"header declares more than {MAX_TENSORS} tensors (the limit per file)", path=path)
     if top.repeated is not None:
         where = _as_tensor(top.repeated)
         raise HeaderError(f"{top.repeated!r} appears more than once in the header", path=path, tensor=where)

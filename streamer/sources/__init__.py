@@ -3,8 +3,13 @@ or prefixes, ``*.index.json`` and its weight map); local paths are resolved in `
 
 from streamer.sources.local import (
     INDEX_SUFFIX,
+    MAX_INDEX_BYTES,
+    SAFETENSORS_INDEX_SUFFIX,
     ResolvedSource,
+    SourceArg,
     SourceLike,
+    as_source,
+    choose_index,
     parse_index,
     resolve,
     source_texts,
@@ -13,8 +18,13 @@ from streamer.sources.local import (
 
 __all__ = [
     "INDEX_SUFFIX",
+    "MAX_INDEX_BYTES",
+    "SAFETENSORS_INDEX_SUFFIX",
     "ResolvedSource",
+    "SourceArg",
     "SourceLike",
+    "as_source",
+    "choose_index",
     "parse_index",
     "resolve",
     "source_texts",

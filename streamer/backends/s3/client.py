@@ -474,9 +474,15 @@ class S3Client:
 
         await self.retrying(uri, (begin, end), once, nbytes=end - begin, until=until)
 
-    async def get_object(self, uri: S3Uri) -> bytes:
-        """A whole (small) object, e.g. an index file."""
-        data, info = await self.get_start(uri, 1 << 20)
+    async def get_object(self, uri: S3Uri, limit: int) -> bytes:
+        """A whole small object, e.g. an index file; ``S3SourceError`` when it is over ``limit`` bytes."""
+        data, info = await self.get_start(uri, min(limit, 1 << 20))
+        if info.size > limit:
+            raise S3SourceError(
+                f"the object is {info.size} bytes, more than the limit of {limit}",
+                bucket=uri.bucket,
+                key=uri.key,
+            )
         if len(data) < info.size:
             data += await self.get_bytes(info, len(data), info.size, source_errors=True)
         return data

@@ -20,7 +20,16 @@ from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
 from streamer.config import S3Config
 from streamer.engine import native
 from streamer.errors import S3SourceError, SourceError, StreamerError
-from streamer.sources import INDEX_SUFFIX, ResolvedSource, SourceLike, parse_index, source_texts
+from streamer.sources import (
+    INDEX_SUFFIX,
+    MAX_INDEX_BYTES,
+    SAFETENSORS_INDEX_SUFFIX,
+    ResolvedSource,
+    SourceLike,
+    choose_index,
+    parse_index,
+    source_texts,
+)
 
 _SUFFIX = ".safetensors"
 _HEADER_REQUESTS = 32  # header GETs in flight at once
@@ -84,11 +93,13 @@ async def _open(client: S3Client, uris: list[S3Uri], *, single: bool) -> Opened:
     index_path: str | None = None
     weight_map: dict[str, str] = {}
     if single and (uris[0].key == "" or uris[0].key.endswith("/")):
-        files = await _list_prefix(client, uris[0])
+        files, index = await _list_prefix(client, uris[0])
+        if index is not None:
+            return await _open(client, [index], single=True)
     elif single and uris[0].key.endswith(INDEX_SUFFIX):
         index = uris[0]
         index_path = str(index)
-        names = parse_index(await client.get_object(index), path=index_path)
+        names = parse_index(await client.get_object(index, MAX_INDEX_BYTES), path=index_path)
         directory = index.key.rpartition("/")[0]
         prefix = f"{directory}/" if directory else ""
         shards = sorted(set(names.values()))
@@ -132,13 +143,20 @@ async def _open(client: S3Client, uris: list[S3Uri], *, single: bool) -> Opened:
     return Opened(resolved, tuple(fronts))
 
 
-async def _list_prefix(client: S3Client, prefix: S3Uri) -> list[S3Uri]:
-    keys = [k for k in await client.list_keys(prefix.bucket, prefix.key) if k.endswith(_SUFFIX)]
-    if not keys:
+async def _list_prefix(client: S3Client, prefix: S3Uri) -> tuple[list[S3Uri], S3Uri | None]:
+    """The ``*.safetensors`` objects directly under ``prefix``, and its index if it holds one (the
+    source of truth, as for a local directory: only its shards are read)."""
+    keys = await client.list_keys(prefix.bucket, prefix.key)
+    indexes = [k[len(prefix.key) :] for k in keys if k.endswith(SAFETENSORS_INDEX_SUFFIX)]
+    index = choose_index(indexes, where=str(prefix))
+    if index is not None:
+        return [], S3Uri(prefix.bucket, prefix.key + index)
+    files = [S3Uri(prefix.bucket, k) for k in keys if k.endswith(_SUFFIX)]
+    if not files:
         raise S3SourceError(
             "no *.safetensors object directly under this prefix", bucket=prefix.bucket, key=prefix.key
         )
-    return [S3Uri(prefix.bucket, k) for k in keys]
+    return files, None
 
 
 async def _maybe_prefix(client: S3Client, uri: S3Uri) -> bool:
