@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import grp
 import math
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 from streamer.errors import ConfigError
+from streamer.safedir import Access
 
 IoMode = Literal["auto", "buffered", "direct"]
 IO_MODES: tuple[IoMode, ...] = ("auto", "buffered", "direct")
@@ -334,17 +336,43 @@ class CacheConfig:
         recently used blocks are evicted beyond it.
     chunk_bytes: the cache's block: objects are cached in pieces of this size on a fixed grid of
         object offsets, so any later load, whatever its layout, finds them.
+    shared_group: a group (name or gid) whose members share the directory
+        (``STREAMER_CACHE_SHARED_GROUP``): it is made 02770 and files 0660, and one owned by
+        that group and not writable by others is used. ``None`` (the default): the directory is
+        this user's alone (0700, files 0600); one that another user owns, or that its group or
+        others may write, is not used (one ``CacheWarning``; the load goes on without the cache).
     """
 
     dir: str | None = field(default_factory=lambda: _env_str("STREAMER_CACHE_DIR"))
     max_bytes: int = field(default_factory=_env_cache_max_bytes)
     chunk_bytes: int = 8 * 1024 * 1024
+    shared_group: str | int | None = field(default_factory=lambda: _env_str("STREAMER_CACHE_SHARED_GROUP"))
 
     def __post_init__(self) -> None:
         if self.max_bytes < 1:
             raise ConfigError(f"cache max_bytes must be positive, got {self.max_bytes}")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"cache chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if self.shared_group is not None:
+            self._group_id()  # an unknown group is an error now, not at the first load
+
+    @property
+    def access(self) -> Access:
+        """Who may use the directory: this user, or the members of ``shared_group``."""
+        return Access(None if self.shared_group is None else self._group_id())
+
+    def _group_id(self) -> int:
+        group = self.shared_group
+        if isinstance(group, int) and not isinstance(group, bool) and group >= 0:
+            return group
+        if isinstance(group, str) and group.strip().isdigit():
+            return int(group.strip())
+        if isinstance(group, str) and group.strip():
+            try:
+                return grp.getgrnam(group.strip()).gr_gid
+            except KeyError:
+                pass
+        raise ConfigError(f"cache shared_group must be a group name or gid of this host, got {group!r}")
 
 
 UNLIMITED: Literal["unlimited"] = "unlimited"

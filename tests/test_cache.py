@@ -49,6 +49,7 @@ from streamer.backends.cache import notes
 from streamer.backends.cache import store as cache_store
 from streamer.backends.cache.store import CacheWarning
 from streamer.backends.s3.storage import S3Storage
+from streamer.safedir import Access
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -103,7 +104,7 @@ def load(source: Any, config: StreamerConfig) -> tuple[dict[str, torch.Tensor], 
 
 
 def chunk_files(cache_dir: Path) -> list[Path]:
-    return sorted(cache_dir.glob("v2/*/*.chunk"))
+    return sorted(cache_dir.glob("v3/*/*.chunk"))
 
 
 def chunks_of(written: Written) -> int:
@@ -370,7 +371,7 @@ def test_an_object_vanishing_mid_fill_fails_the_load_naming_it(
     while cache_threads() and time.monotonic() < until:
         time.sleep(0.05)
     assert not cache_threads()
-    assert not list(tmp_path.glob("v2/*/*.tmp.*"))
+    assert not list(tmp_path.glob("v3/*/*.tmp.*"))
 
 
 _LOADER = """
@@ -434,12 +435,12 @@ def test_kill_during_fill_leaves_a_correct_cache(s3_server: str, model: Written,
         time.sleep(0.002)
     process.send_signal(signal.SIGKILL)
     process.communicate()
-    ident = tmp_path / "v2" / os.listdir(tmp_path / "v2")[0]
+    ident = tmp_path / "v3" / os.listdir(tmp_path / "v3")[0]
     (ident / "7.chunk.tmp.999999999.1").write_bytes(b"torn")  # a temporary file of a dead process
     got, metrics = load(prefix(s3_server), cfg(s3_server, tmp_path))
     assert_same_dict(got, reference_load(model.shards))
     assert metrics["cache_errors"] == 0
-    assert not list(tmp_path.glob("v2/*/*.tmp.*"))  # cleaned when the cache was opened
+    assert not list(tmp_path.glob("v3/*/*.tmp.*"))  # cleaned when the cache was opened
     assert len(chunk_files(tmp_path)) == chunks_of(model)
 
 
@@ -482,7 +483,7 @@ def test_full_disk_loads_with_one_warning(
     assert_same_dict(got, reference_load(model.shards))
     assert [w.category for w in caught] == [CacheWarning] and "ENOSPC" in str(caught[0].message)
     assert writes >= 1 and metrics["cache_write_bytes"] == 0
-    assert not chunk_files(tmp_path) and not list(tmp_path.glob("v2/*/*.tmp.*"))
+    assert not chunk_files(tmp_path) and not list(tmp_path.glob("v3/*/*.tmp.*"))
 
 
 def test_cache_config_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -635,12 +636,14 @@ def test_a_damaged_note_is_no_note(
     elif damage == "empty":
         data = bytearray()
     else:
-        data = bytearray(b"STRMOP01" + bytes(100))
+        data = bytearray(b"STRMOP02" + bytes(100))
     note.write_bytes(bytes(data))
     got, metrics = load(prefix(s3_server), config)
     assert_same_dict(got, reference_load(model.shards))
     assert metrics["requests"] == 0
-    assert notes.OpenNotes(str(tmp_path)).read(note.stem) is not None  # noted again
+    noted = notes.NoteOf(config.s3.endpoint_url, (prefix(s3_server),))
+    assert note.stem == noted.key
+    assert notes.OpenNotes(str(tmp_path), Access()).read(noted) is not None  # noted again
 
 
 def test_closing_a_handle_before_s3_answers_leaves_nothing_running(

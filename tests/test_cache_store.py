@@ -18,12 +18,15 @@ pytest.importorskip("xxhash")
 
 from streamer.backends.base import Front, Opened
 from streamer.backends.cache import store as cache_store
-from streamer.backends.cache.notes import OpenNotes, note_key
-from streamer.backends.cache.store import HEAD_BYTES, ChunkBuffer, ChunkStore, piece_bytes
+from streamer.backends.cache.notes import NoteOf, OpenNotes
+from streamer.backends.cache.store import HEAD_BYTES, ChunkBuffer, ChunkStore, identity, piece_bytes
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
+from streamer.safedir import Access
 from streamer.sources import ResolvedSource
 
-IDENT = "0123456789abcdef0123456789abcdef"
+IDENT = identity("http://127.0.0.1:9", "bucket", "m/a.safetensors", 99 << 20, '"etag-a"')
+OTHER = identity("http://127.0.0.1:9", "bucket", "m/b.safetensors", 99 << 20, '"etag-b"')
+PRIVATE = Access()
 CHUNK = 1 << 20
 OFFSET = 3 * CHUNK  # the chunk's place in its object
 PIECE = piece_bytes(CHUNK)
@@ -35,13 +38,13 @@ def chunk_data(length: int = CHUNK - 5) -> bytes:
 
 def stored(tmp_path: Path, data: bytes, *, direct: bool = True) -> tuple[ChunkStore, Path]:
     """A store holding ``data`` as chunk 3, written and read with O_DIRECT or buffered."""
-    store = ChunkStore(str(tmp_path), 1 << 30)
+    store = ChunkStore(str(tmp_path), 1 << 30, PRIVATE)
     store._direct = direct
     chunk = ChunkBuffer(len(data))  # page-aligned: the aligned part is written with O_DIRECT
     with chunk.data as view:
         view[:] = data
         assert store.write(IDENT, 3, OFFSET, view, PIECE)
-    return store, tmp_path / "v2" / IDENT / "3.chunk"
+    return store, tmp_path / "v3" / IDENT / "3.chunk"
 
 
 def windows(length: int) -> list[tuple[int, int]]:
@@ -93,12 +96,14 @@ def corruptions(length: int) -> list[tuple[str, int]]:
     """(what, byte of the file to flip)."""
     return [
         ("magic", 0),
-        ("offset", 8),
-        ("length", 16),
-        ("piece size", 24),
-        ("head checksum", 32),
-        ("first piece checksum", 40),
-        ("last piece checksum", 40 + 8 * (-(-length // PIECE) - 1)),
+        ("identity", 8),
+        ("identity's last byte", 39),
+        ("offset", 40),
+        ("length", 48),
+        ("piece size", 56),
+        ("head checksum", 64),
+        ("first piece checksum", 72),
+        ("last piece checksum", 72 + 8 * (-(-length // PIECE) - 1)),
         ("first byte", HEAD_BYTES),
         ("middle piece", HEAD_BYTES + length // 2),
         ("last byte", HEAD_BYTES + length - 1),
@@ -163,7 +168,7 @@ def test_pieces_fit_the_head_for_any_chunk_size() -> None:
 def test_a_chunk_written_from_unaligned_memory_reads_back(tmp_path: Path) -> None:
     """The run's memory need not be aligned: what O_DIRECT cannot take is written buffered."""
     data = chunk_data()
-    store = ChunkStore(str(tmp_path), 1 << 30)
+    store = ChunkStore(str(tmp_path), 1 << 30, PRIVATE)
     memory = bytearray(len(data) + 1)
     with memoryview(memory)[1:] as unaligned:
         unaligned[:] = data
@@ -177,14 +182,16 @@ def test_writers_at_once_never_leave_the_directory_over_max_bytes(tmp_path: Path
     and evictions interleave, what is left on disk holds at most ``max_bytes``."""
     data = memoryview(chunk_data(64 << 10))
     limit = 4 * (HEAD_BYTES + len(data))
-    store = ChunkStore(str(tmp_path), limit)
+    store = ChunkStore(str(tmp_path), limit, PRIVATE)
 
     def write(number: int) -> None:
-        assert store.write(f"ident{number % 3}", number, number * len(data), data, PIECE)
+        assert store.write(
+            identity(None, "b", f"k{number % 3}", 1, None), number, number * len(data), data, PIECE
+        )
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(write, range(160)))
-    on_disk = sum(p.stat().st_size for p in tmp_path.glob("v2/*/*.chunk"))
+    on_disk = sum(p.stat().st_size for p in tmp_path.glob("v3/*/*.chunk"))
     assert 0 < on_disk <= limit
 
 
@@ -205,19 +212,19 @@ def test_a_note_reads_back_as_the_open_it_noted_with_each_header_whole(tmp_path:
         weight_map={"é": "s3://bucket/m/a.safetensors", "x": "s3://bucket/m/b.safetensors"},
         index_path="s3://bucket/m/model.safetensors.index.json",
     )
-    notes = OpenNotes(str(tmp_path))
-    key = note_key("http://127.0.0.1:9", ["s3://bucket/m/model.safetensors.index.json"])
-    assert notes.read(key) is None
+    notes = OpenNotes(str(tmp_path), PRIVATE)
+    of = NoteOf("http://127.0.0.1:9", ("s3://bucket/m/model.safetensors.index.json",))
+    assert notes.read(of) is None
     (tmp_path / "opens").mkdir()
-    (tmp_path / "opens" / f"{key}.note.tmp.999999999.1").write_bytes(b"torn by kill -9")
-    notes.write(key, Opened(source, fronts))
-    got = notes.read(key)
+    (tmp_path / "opens" / f"{of.key}.note.tmp.999999999.1").write_bytes(b"torn by kill -9")
+    notes.write(of, Opened(source, fronts))
+    got = notes.read(of)
     assert got is not None and got.source == source
     assert [f.file for f in got.fronts] == [f.file for f in fronts]
     for old, new in zip(fronts, got.fronts, strict=True):
         end = 8 + int.from_bytes(old.data[:8], "little")
         assert new.data == old.data[:end]  # the header, not the bytes after it
-    assert note_key(None, ["s3://bucket/m/"]) != note_key("http://127.0.0.1:9", ["s3://bucket/m/"])
+    assert NoteOf(None, ("s3://bucket/m/",)).key != NoteOf("http://127.0.0.1:9", ("s3://bucket/m/",)).key
     assert not list(tmp_path.glob("opens/*.tmp.*"))
 
 
@@ -225,6 +232,7 @@ def test_no_note_of_a_front_short_of_its_header(tmp_path: Path) -> None:
     header = b'{"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}'
     cut = len(header).to_bytes(8, "little") + header[:10]
     short = Front(ObjectInfo(S3Uri("bucket", "k"), 200, '"e"'), cut)
-    notes = OpenNotes(str(tmp_path))
-    notes.write("k", Opened(ResolvedSource(paths=("s3://bucket/k",)), (short,)))
-    assert notes.read("k") is None and not list(tmp_path.glob("opens/*"))
+    notes = OpenNotes(str(tmp_path), PRIVATE)
+    of = NoteOf(None, ("s3://bucket/k",))
+    notes.write(of, Opened(ResolvedSource(paths=("s3://bucket/k",)), (short,)))
+    assert notes.read(of) is None and not list(tmp_path.glob("opens/*"))

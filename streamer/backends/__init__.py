@@ -26,8 +26,10 @@ def _s3(config: StreamerConfig) -> Storage:
     if config.cache.dir is None:
         return storage
     require_cache()
-    from streamer.backends.cache.storage import CachedS3Storage  # xxhash only when a cache is on
+    from streamer.backends.cache.storage import CachedS3Storage, usable_directory  # xxhash only then
 
+    if not usable_directory(config.cache):
+        return storage
     return CachedS3Storage(storage, config.cache, config.s3.endpoint_url)
 
 

@@ -7,10 +7,11 @@ key, size, ETag) and each file's whole header. Nothing read from it counts befor
 same (``CachedS3Storage``, ``CacheFeed``).
 
 Layout: ``<dir>/opens/<key>.note``, ``key`` a hash of the endpoint and the source's text. A note
-is magic, the xxh3_64 of the rest, the length of a JSON description, the description, and the
-headers back to back; written under a temporary name renamed into place (those of processes that
-died mid-write are removed at the next write). A note that is torn, foreign or unreadable is no
-note: the open goes to S3 as without one.
+is magic, the xxh3_64 of the rest, the length of a JSON description (which names the endpoint and
+source again), the description, and the headers back to back; written under a temporary name
+renamed into place (those of processes that died mid-write are removed at the next write). A note
+that is torn, foreign (another source's, copied or renamed) or unreadable is no note: the open
+goes to S3 as without one, and notes what S3 answered.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -29,44 +30,56 @@ from streamer.backends.cache.store import hashed_name, writer_alive
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
 from streamer.errors import StreamerError
 from streamer.format.safetensors import header_end
+from streamer.safedir import Access
 from streamer.sources import ResolvedSource
 
-_MAGIC = b"STRMOP01"
+NOTES_DIR = "opens"
+_MAGIC = b"STRMOP02"
 _HEAD = struct.Struct("<8sQQ")  # magic, xxh3_64 of everything after the head, JSON length
 _TMP = ".tmp."
 _MAX_BYTES = 64 << 20  # larger notes are neither written nor read (a note is read whole)
 
 
-def note_key(endpoint: str | None, texts: Sequence[str]) -> str:
-    """The note's name for a source given as ``texts`` (one URI, or a list of object URIs)."""
-    return hashed_name(endpoint or "", *texts)
+@dataclass(frozen=True)
+class NoteOf:
+    """What a note is of: a source given as ``texts`` (one URI, or a list of object URIs) at ``endpoint``."""
+
+    endpoint: str | None
+    texts: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        """The note's file name."""
+        return hashed_name(self.endpoint or "", *self.texts)
 
 
 class OpenNotes:
-    """The notes in ``<root>/opens``; every failure to read or write one is silent (no note)."""
+    """The notes in ``<root>/opens`` (made with ``access``); every failure to read or write one is
+    silent (no note)."""
 
-    def __init__(self, root: str) -> None:
-        self._dir = os.path.join(root, "opens")
+    def __init__(self, root: str, access: Access) -> None:
+        self._dir = os.path.join(root, NOTES_DIR)
+        self._access = access
 
-    def read(self, key: str) -> Opened | None:
+    def read(self, of: NoteOf) -> Opened | None:
         try:
-            with open(os.path.join(self._dir, f"{key}.note"), "rb") as file:
+            with open(os.path.join(self._dir, f"{of.key}.note"), "rb") as file:
                 data = file.read(_MAX_BYTES + 1)
         except OSError:
             return None
-        return _decode(data) if len(data) <= _MAX_BYTES else None
+        return _decode(data, of) if len(data) <= _MAX_BYTES else None
 
-    def write(self, key: str, opened: Opened) -> None:
+    def write(self, of: NoteOf, opened: Opened) -> None:
         """Notes ``opened``, if every front holds its file's whole header (else there is no note:
         a provisional open must need nothing more from S3 to be parsed)."""
-        data = _encode(opened)
+        data = _encode(opened, of)
         if data is None or len(data) > _MAX_BYTES:
             return
-        path = os.path.join(self._dir, f"{key}.note")
+        path = os.path.join(self._dir, f"{of.key}.note")
         temporary = f"{path}{_TMP}{os.getpid()}.{threading.get_ident()}"
         try:
-            os.makedirs(self._dir, exist_ok=True)
-            with open(temporary, "wb") as file:
+            self._access.make(self._dir)
+            with os.fdopen(self._access.create(temporary, os.O_WRONLY | os.O_TRUNC), "wb") as file:
                 file.write(data)
             os.replace(temporary, path)
         except OSError:
@@ -83,7 +96,7 @@ class OpenNotes:
                         os.unlink(entry.path)
 
 
-def _encode(opened: Opened) -> bytes | None:
+def _encode(opened: Opened, of: NoteOf) -> bytes | None:
     headers = []
     files = []
     for front in opened.fronts:
@@ -101,6 +114,8 @@ def _encode(opened: Opened) -> bytes | None:
     source = opened.source
     description = json.dumps(
         {
+            "endpoint": of.endpoint,
+            "texts": list(of.texts),
             "paths": list(source.paths),
             "weight_map": source.weight_map,
             "index_path": source.index_path,
@@ -112,7 +127,7 @@ def _encode(opened: Opened) -> bytes | None:
     return _HEAD.pack(_MAGIC, xxhash.xxh3_64_intdigest(body), len(description)) + body
 
 
-def _decode(data: bytes) -> Opened | None:
+def _decode(data: bytes, of: NoteOf) -> Opened | None:
     if len(data) < _HEAD.size:
         return None
     magic, digest, length = _HEAD.unpack_from(data)
@@ -121,6 +136,8 @@ def _decode(data: bytes) -> Opened | None:
         return None
     try:
         description = json.loads(body[:length])
+        if description["endpoint"] != of.endpoint or description["texts"] != list(of.texts):
+            return None  # another source's note, under this one's name
         fronts = []
         position = length
         for file, header_length in zip(description["files"], description["header_lengths"], strict=True):

@@ -12,6 +12,7 @@ otherwise the run fails with ``StaleOpen`` and is planned again from the fresh o
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -26,12 +27,25 @@ from streamer.backends.base import (
     StoredFile,
 )
 from streamer.backends.cache.feed import CacheFeed
-from streamer.backends.cache.notes import OpenNotes, note_key
-from streamer.backends.cache.store import ChunkStore, identity
+from streamer.backends.cache.notes import NOTES_DIR, NoteOf, OpenNotes
+from streamer.backends.cache.store import STORE_DIR, CacheWarning, ChunkStore, identity
 from streamer.backends.s3.storage import S3Storage, s3_object
 from streamer.config import CacheConfig
 from streamer.engine import native
 from streamer.sources import SourceLike, source_texts
+
+
+def usable_directory(config: CacheConfig) -> bool:
+    """Whether the cache directory may be used: made if missing, and writable by no other user
+    (``streamer.safedir``); else one ``CacheWarning`` and the load goes on without the cache."""
+    assert config.dir is not None
+    why = config.access.prepare(config.dir, parts=(STORE_DIR, NOTES_DIR))
+    if why is None:
+        return True
+    warnings.warn(
+        f"streamer cache {config.dir!r} {why}: loading without the cache", CacheWarning, stacklevel=3
+    )
+    return False
 
 
 class CachedS3Storage(Storage):
@@ -50,20 +64,20 @@ class CachedS3Storage(Storage):
         self._config = config
         self._endpoint = endpoint
         self._store: ChunkStore | None = None
-        self._notes = OpenNotes(config.dir)
+        self._notes = OpenNotes(config.dir, config.access)
         self._confirmation: _Confirmation | None = None  # of the last open, if it was provisional
         self._confirmations: list[_Confirmation] = []  # every one started, joined by close()
 
     def open(self, source: SourceLike) -> Opened:
-        key = note_key(self._endpoint, source_texts(source))
-        noted = self._notes.read(key)
+        of = NoteOf(self._endpoint, tuple(source_texts(source)))
+        noted = self._notes.read(of)
         if noted is None:
             self._confirmation = None
             opened = self._inner.open(source)
-            self._notes.write(key, opened)
+            self._notes.write(of, opened)
             return opened
         self._confirmation = _Confirmation(
-            noted, lambda: self._inner.open(source), lambda fresh: self._notes.write(key, fresh)
+            noted, lambda: self._inner.open(source), lambda fresh: self._notes.write(of, fresh)
         )
         self._confirmations.append(self._confirmation)
         return noted
@@ -80,7 +94,7 @@ class CachedS3Storage(Storage):
     ) -> Feed:
         if self._store is None:
             assert self._config.dir is not None
-            self._store = ChunkStore(self._config.dir, self._config.max_bytes)
+            self._store = ChunkStore(self._config.dir, self._config.max_bytes, self._config.access)
         objects = [s3_object(file) for file in files]
         idents = [identity(self._endpoint, o.uri.bucket, o.uri.key, o.size, o.etag) for o in objects]
         confirmation = self._confirmation

@@ -1,20 +1,22 @@
 """The cache directory: one file per cached chunk of an object, checked on every read.
 
-Layout: ``<dir>/v2/<identity>/<index>.chunk`` where ``identity`` hashes the object's endpoint,
-bucket, key, size and ETag (a replaced object is another directory: a miss, never stale bytes)
-and ``index`` is the chunk's place on a fixed grid of object offsets. A chunk file is a head of
-``HEAD_BYTES`` (magic, offset, length, piece size, the xxh3_64 of every piece of the data, and
-the xxh3_64 of all that) and the data, which starts on a ``native.DIRECT_ALIGNMENT`` boundary so
-hits are read like local checkpoint files: O_DIRECT, straight into the run's buffers.
+Layout: ``<dir>/v3/<identity>/<index>.chunk`` where ``identity`` is the SHA-256 of the object's
+endpoint, bucket, key, size and ETag (a replaced object is another directory: a miss, never stale
+bytes) and ``index`` is the chunk's place on a fixed grid of object offsets. A chunk file is a head
+of ``HEAD_BYTES`` (magic, the object's identity, offset, length, piece size, the xxh3_64 of every
+piece of the data, and the xxh3_64 of all that) and the data, which starts on a
+``native.DIRECT_ALIGNMENT`` boundary so hits are read like local checkpoint files: O_DIRECT,
+straight into the run's buffers.
 
 Every piece a read touches is checked before the read returns, so a bad piece is never handed
 on: a block needing part of a chunk reads and checks only the pieces under it. A chunk that
-fails (torn, truncated, flipped bit, foreign head) is deleted and counted; its reader fetches it
-again. Writes go to a temporary name renamed into place, so readers never see a half-written
-chunk; there is no fsync per chunk: a chunk whose data did not reach the disk before a crash
-fails its checksums and is fetched again, which is what an fsync would have bought, without
-stalling the writer on the device. There is no index file: what is on disk is the index
-(scanned at open, when temporary files of dead processes are removed).
+fails (torn, truncated, flipped bit, the head of another object or offset: a file swapped or
+renamed on disk) is deleted and counted; its reader fetches it again. Writes go to a temporary
+name renamed into place, so readers never see a half-written chunk; there is no fsync per chunk:
+a chunk whose data did not reach the disk before a crash fails its checksums and is fetched
+again, which is what an fsync would have bought, without stalling the writer on the device.
+There is no index file: what is on disk is the index (scanned at open, when temporary files of
+dead processes are removed).
 
 Processes of a node share the directory without a daemon: ``<index>.lock`` files held with
 ``flock`` (per open file description, so threads of one process exclude each other too) make
@@ -39,9 +41,12 @@ import warnings
 import xxhash
 
 from streamer.engine import native
+from streamer.safedir import Access
 
-_MAGIC = b"STRMCH02"
-_FIXED = struct.Struct("<8sQQQQ")  # magic, object offset, length, piece bytes, xxh3_64 of the head
+STORE_DIR = "v3"
+_MAGIC = b"STRMCH03"
+# magic, object identity (SHA-256), object offset, length, piece bytes, xxh3_64 of the head
+_FIXED = struct.Struct("<8s32sQQQQ")
 HEAD_BYTES = native.DIRECT_ALIGNMENT
 _MAX_PIECES = (HEAD_BYTES - _FIXED.size) // 8
 _MIN_PIECE = 16 << 10  # fewer, larger pieces: one checksum call per piece is Python overhead
@@ -58,17 +63,18 @@ def piece_bytes(chunk_bytes: int) -> int:
 
 
 class CacheWarning(RuntimeWarning):
-    """The cache could not be used (read-only or full directory); the load goes on without it."""
+    """The cache could not be used (another user's, read-only or full directory); the load goes on
+    without it."""
 
 
 def identity(endpoint: str | None, bucket: str, key: str, size: int, etag: str | None) -> str:
-    """The directory name of one version of an object."""
+    """One version of an object: the SHA-256 (hex) of what names it; its chunks' directory name."""
     return hashed_name(endpoint or "", bucket, key, str(size), etag or "")
 
 
 def hashed_name(*parts: str) -> str:
-    """A file name standing for ``parts`` (joined by NUL, which no part holds)."""
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+    """A file name standing for ``parts`` (joined by NUL, which no part holds): their SHA-256."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
 class ChunkBuffer:
@@ -103,11 +109,13 @@ class ChunkLock:
 
 
 class ChunkStore:
-    """The cache directory ``root`` holding at most ``max_bytes`` of chunk data."""
+    """The cache directory ``root`` holding at most ``max_bytes`` of chunk data; its directories
+    and files are made with ``access``."""
 
-    def __init__(self, root: str, max_bytes: int) -> None:
-        self._root = os.path.join(root, "v2")
+    def __init__(self, root: str, max_bytes: int, access: Access) -> None:
+        self._root = os.path.join(root, STORE_DIR)
         self._max_bytes = max_bytes
+        self._access = access
         self._mutex = threading.Lock()
         self._landing = threading.Lock()  # chunks renamed into place and evictions, one at a time
         self._writable = True
@@ -115,7 +123,7 @@ class ChunkStore:
         self._warned = False
         self.errors = 0  # chunks that failed their check (deleted, refetched)
         try:
-            os.makedirs(self._root, exist_ok=True)
+            access.make(self._root)
         except OSError as error:
             self._disable(error)
         self._used = self._scan()
@@ -137,7 +145,7 @@ class ChunkStore:
         except OSError:
             return False
         try:
-            intact = self._read_checked(fd, offset, length, low - offset, out)
+            intact = self._read_checked(fd, ident, offset, length, low - offset, out)
         except OSError:
             intact = False
         finally:
@@ -154,18 +162,25 @@ class ChunkStore:
             self.errors += 1
         return False
 
-    def _read_checked(self, fd: int, offset: int, length: int, start: int, out: memoryview) -> bool:
+    def _read_checked(
+        self, fd: int, ident: str, offset: int, length: int, start: int, out: memoryview
+    ) -> bool:
         head = os.pread(fd, HEAD_BYTES, 0)
         if len(head) != HEAD_BYTES or os.fstat(fd).st_size != HEAD_BYTES + length:
             return False
-        magic, got_offset, got_length, piece, head_digest = _FIXED.unpack_from(head)
-        if (magic, got_offset, got_length) != (_MAGIC, offset, length) or piece <= 0:
+        magic, owner, got_offset, got_length, piece, head_digest = _FIXED.unpack_from(head)
+        if (magic, owner, got_offset, got_length) != (
+            _MAGIC,
+            bytes.fromhex(ident),
+            offset,
+            length,
+        ) or piece <= 0:
             return False
         count = -(-length // piece)
         if count > _MAX_PIECES:
             return False
         digests = struct.unpack_from(f"<{count}Q", head, _FIXED.size)
-        fixed = _FIXED.pack(magic, offset, length, piece, 0)
+        fixed = _FIXED.pack(magic, owner, offset, length, piece, 0)
         if xxhash.xxh3_64_intdigest(fixed + head[_FIXED.size : _FIXED.size + 8 * count]) != head_digest:
             return False
         end = start + len(out)
@@ -237,10 +252,8 @@ class ChunkStore:
             return None
         directory = os.path.join(self._root, ident)
         try:
-            os.makedirs(directory, exist_ok=True)
-            fd = os.open(
-                os.path.join(directory, f"{index}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
-            )
+            self._access.make(directory)
+            fd = self._access.create(os.path.join(directory, f"{index}.lock"), os.O_RDWR)
         except OSError as error:
             self._disable(error)
             return None
@@ -272,11 +285,14 @@ class ChunkStore:
         if len(digests) > _MAX_PIECES:
             raise ValueError(f"{len(digests)} pieces of {piece} bytes do not fit a chunk head")
         table = struct.pack(f"<{len(digests)}Q", *digests)
-        head_digest = xxhash.xxh3_64_intdigest(_FIXED.pack(_MAGIC, offset, length, piece, 0) + table)
-        head = (_FIXED.pack(_MAGIC, offset, length, piece, head_digest) + table).ljust(HEAD_BYTES, b"\0")
+        owner = bytes.fromhex(ident)
+        head_digest = xxhash.xxh3_64_intdigest(_FIXED.pack(_MAGIC, owner, offset, length, piece, 0) + table)
+        head = (_FIXED.pack(_MAGIC, owner, offset, length, piece, head_digest) + table).ljust(
+            HEAD_BYTES, b"\0"
+        )
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            self._access.make(os.path.dirname(path))
+            fd = self._access.create(temporary, os.O_WRONLY | os.O_TRUNC)
             try:
                 _write_all(fd, head, 0)
                 done = self._write_direct(fd, data, HEAD_BYTES)
