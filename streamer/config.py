@@ -375,6 +375,18 @@ class CacheConfig:
         raise ConfigError(f"cache shared_group must be a group name or gid of this host, got {group!r}")
 
 
+GroupVerify = Literal["sampled", "full"]
+GROUP_VERIFY: tuple[GroupVerify, ...] = ("sampled", "full")
+
+
+def _env_group_verify() -> GroupVerify:
+    raw = (os.environ.get("STREAMER_GROUP_VERIFY") or "sampled").strip().lower()
+    for mode in GROUP_VERIFY:
+        if raw == mode:
+            return mode
+    raise ConfigError(f"STREAMER_GROUP_VERIFY={raw!r}: expected one of {', '.join(GROUP_VERIFY)}")
+
+
 UNLIMITED: Literal["unlimited"] = "unlimited"
 MemoryLimit = int | Literal["unlimited"] | None
 
@@ -428,6 +440,11 @@ class StreamerConfig:
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.
+    group_verify: how ranks of a group load check that they opened the same checkpoint before a
+        byte moves (``STREAMER_GROUP_VERIFY``): every file's size and whole header always, and
+        its version: an object's ETag; for a local file the same device and inode on one host,
+        else ``sampled`` (the default) a hash of 32 blocks spread over it, or ``full`` a hash of
+        every byte (one whole read of each file on every rank, before the load).
     group_shm_dir: a tmpfs where the ranks of a CPU (gloo) group on one host share what they
         read instead of sending it over gloo's loopback TCP: one copy of the checkpoint per host,
         or small outboxes under a memory limit (default ``/dev/shm``, ``STREAMER_GROUP_SHM_DIR``;
@@ -451,6 +468,7 @@ class StreamerConfig:
     page_fill: bool | None = field(default_factory=lambda: _env_optional_flag("STREAMER_PAGE_FILL"))
     s3: S3Config = field(default_factory=S3Config)
     group_timeout: float = field(default_factory=lambda: _env_float("STREAMER_GROUP_TIMEOUT", 30.0))
+    group_verify: GroupVerify = field(default_factory=_env_group_verify)
     group_shm_dir: str | None = field(default_factory=_env_group_shm_dir)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
@@ -493,5 +511,9 @@ class StreamerConfig:
             )
         if not self.group_timeout > 0:
             raise ConfigError(f"group_timeout must be positive, got {self.group_timeout}")
+        if self.group_verify not in GROUP_VERIFY:
+            raise ConfigError(
+                f"group_verify must be one of {', '.join(GROUP_VERIFY)}, got {self.group_verify!r}"
+            )
         if self.io_mode not in IO_MODES:
             raise ConfigError(f"io_mode must be one of {', '.join(IO_MODES)}, got {self.io_mode!r}")

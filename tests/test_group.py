@@ -35,6 +35,7 @@ from conftest import (
 import streamer
 from streamer import StreamerConfig, StreamerError
 from streamer.config import CacheConfig
+from streamer.group import exchange
 from streamer.group.plan import GroupPlan, Span, make_plan
 from streamer.group.shared import outbox_layout
 
@@ -264,15 +265,22 @@ def _failures(rank: int, world: int, directory: str, settings: StreamerConfig) -
         streamer.load(other, config=settings, group=dist.group.WORLD)
     except StreamerError as error:
         report["different_checkpoints"] = type(error).__name__
-    with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
-        if rank == 1:  # after the headers were read: its share (the second half) is gone
+    agree = exchange.check_agreement
+
+    def then_truncate(*args: Any) -> None:
+        agree(*args)
+        if rank == 1:  # once the ranks agreed they opened the same files: its share is gone
             last = sorted(mine.glob("*.safetensors"))[-1]
             os.truncate(last, last.stat().st_size // 2)
+
+    with streamer.open(source, config=settings, group=dist.group.WORLD) as handle:
+        exchange.check_agreement = then_truncate
         started = time.monotonic()
         try:
             dict(iter(handle))
         except StreamerError as error:
             report["read_failure"] = (type(error).__name__, str(error), time.monotonic() - started)
+        exchange.check_agreement = agree
     report["threads_after_failure"] = threading.active_count() - threads
     if rank == 1:
         shutil.rmtree(mine)
@@ -362,7 +370,85 @@ def _shared_copy(rank: int, world: int, source: str, shards: list[str], director
     return report
 
 
+def _rank_checkpoint(directory: Path, rank: int, case: str) -> Path:
+    """This rank's copy of one checkpoint, differing from rank 0's as ``case`` says (rank 0's is
+    the same in every case): same bytes and offsets, but a tensor's shape, dtype or name, the
+    metadata, the data bytes, or one bit between the samples of a sampled identity."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "m": random_tensor((3, 333), torch.float32, g),
+        "n": random_tensor((1000,), torch.float32, g),
+        "big": random_tensor((4096 * KiB,), torch.uint8, g),  # last in the file (u8 sorts last)
+    }
+    metadata = {"format": "pt"}
+    other = rank == 1
+    if other and case == "shape":
+        tensors["m"] = tensors["m"].reshape(333, 3)
+    elif other and case == "dtype":
+        tensors["n"] = tensors["n"].view(torch.int32)
+    elif other and case == "name":
+        tensors["o"] = tensors.pop("n")
+    elif other and case == "metadata":
+        metadata = {"format": "pT"}
+    elif other and case == "bytes":
+        tensors = {
+            name: random_tensor(t.shape, t.dtype, torch.Generator().manual_seed(9))
+            for name, t in tensors.items()
+        }
+    path = directory / f"rank{rank}" / "model.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    if other and case == "one bit":
+        with path.open("r+b") as file:  # in "big", between the last two of 32 sampled blocks
+            file.seek(path.stat().st_size - 4096 - 50_000)
+            byte = file.read(1)[0]
+            file.seek(-1, os.SEEK_CUR)
+            file.write(bytes([byte ^ 1]))
+    return path
+
+
+def _disagreements(
+    rank: int, world: int, directory: str, cases: list[str], settings: StreamerConfig
+) -> dict[str, Any]:
+    """For each case every API of a group load on this rank's own copy: a ``ConfigError`` raised
+    before anything is handed out, or the tensors (copies that agree)."""
+    report: dict[str, Any] = {}
+    for case in cases:
+        verify = "full" if case.endswith("(full)") else "sampled"
+        path = _rank_checkpoint(Path(directory) / case.replace(" ", "-"), rank, case.removesuffix(" (full)"))
+        group_settings = StreamerConfig(**{**settings.__dict__, "group_verify": verify})
+        outcomes = []
+        for api in ("iterate", "load", "load_into"):
+            handed: list[str] = []
+            try:
+                if api == "iterate":
+                    with streamer.open(path, config=group_settings, group=dist.group.WORLD) as handle:
+                        handed.extend(name for name, _ in handle)
+                elif api == "load":
+                    handed.extend(streamer.load(path, config=group_settings, group=dist.group.WORLD))
+                else:
+                    expected = safetensors.torch.load_file(str(path))
+                    dest = {name: torch.zeros_like(t) for name, t in expected.items()}
+                    streamer.load_into(dest, path, config=group_settings, group=dist.group.WORLD)
+                    handed.extend(name for name, t in dest.items() if t.any())
+                outcomes.append(("loaded", sorted(handed)))
+            except StreamerError as error:
+                outcomes.append((type(error).__name__, str(error), handed))
+        report[case] = outcomes
+    return report
+
+
+def _objects(rank: int, world: int, urls: list[str], settings: StreamerConfig) -> dict[str, Any]:
+    """Rank r loads ``urls[r]`` in a group: a ``ConfigError``, or the names it was handed."""
+    try:
+        return {"loaded": sorted(streamer.load(urls[rank], config=settings, group=dist.group.WORLD))}
+    except StreamerError as error:
+        return {"error": (type(error).__name__, str(error))}
+
+
 SCENARIOS = {
+    "disagreements": _disagreements,
+    "objects": _objects,
     "s3_cached": _s3_cached,
     "shared_copy": _shared_copy,
     "loads": _loads,
@@ -520,6 +606,25 @@ def test_s3_group_reads_each_byte_once_with_the_requests_of_one_rank(
     assert group_requests == alone["requests"], (group_requests, alone["requests"])
 
 
+def test_ranks_that_opened_other_versions_of_an_object_raise_by_its_etag(
+    tmp_path: Path, s3: Any, s3_server: str
+) -> None:
+    """Two objects with one header and size but other bytes: their ETags differ, so the ranks
+    refuse to mix them; the same object on both ranks loads."""
+    urls = []
+    for case in ("same", "bytes"):
+        path = _rank_checkpoint(tmp_path / case, 1, case)
+        s3.upload_file(str(path), BUCKET, f"twins/{case}.safetensors")
+        urls.append(f"s3://{BUCKET}/twins/{case}.safetensors")
+    settings = _s3_settings(s3_server)
+    for report in _spawn(tmp_path, 2, "objects", urls, settings):
+        kind, message = report["error"]
+        assert kind == "ConfigError" and "differs between rank 0 and rank 1 in its bytes" in message
+    (tmp_path / "again").mkdir()
+    for report in _spawn(tmp_path / "again", 2, "objects", [urls[0], urls[0]], settings):
+        assert report == {"loaded": ["big", "m", "n"]}
+
+
 def test_a_group_fills_one_node_cache_and_the_next_group_load_reads_only_from_it(
     tmp_path: Path, written: Written, s3: Any, s3_server: str
 ) -> None:
@@ -559,6 +664,35 @@ def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeo
     kind, message, seconds = survivor["peer_died"]
     assert kind == "StreamerError" and "group exchange failed" in message
     assert seconds < timeout + 5
+
+
+DISAGREEING = {
+    "shape": "header",
+    "dtype": "header",
+    "name": "header",
+    "metadata": "header",
+    "bytes": "bytes",
+    "one bit (full)": "bytes",
+}
+
+
+def test_ranks_that_opened_different_checkpoints_all_raise_before_a_byte_moves(tmp_path: Path) -> None:
+    """Same sizes and offsets, but a tensor's shape ([3, 333] vs [333, 3]), dtype or name, the
+    metadata, or the bytes differ: every rank raises a ``ConfigError`` naming the file and what
+    differs, nothing handed out. Copies that agree (other inodes, same content) load."""
+    cases = [*DISAGREEING, "same", "one bit"]
+    reports = _spawn(tmp_path, 2, "disagreements", str(tmp_path), cases, config(group_timeout=20.0))
+    for rank, report in enumerate(reports):
+        for case, what in DISAGREEING.items():
+            for outcome in report[case]:
+                assert outcome[0] == "ConfigError", (rank, case, outcome)
+                assert f"differs between rank 0 and rank 1 in its {what}" in outcome[1], (rank, case, outcome)
+                assert f"rank{rank}/model.safetensors" in outcome[1]
+                assert outcome[2] == [], "nothing may be handed out"
+        # Copies on one host with other inodes: their sampled content agrees.
+        assert report["same"] == [("loaded", ["big", "m", "n"])] * 3, rank
+        # A bit between the samples is what only group_verify="full" sees (documented).
+        assert report["one bit"] == [("loaded", ["big", "m", "n"])] * 3, rank
 
 
 @pytest.mark.parametrize("api", ["open", "load"])

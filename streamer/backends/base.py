@@ -55,6 +55,21 @@ class StoredFile(Protocol):
 
 
 @dataclass(frozen=True)
+class FileIdentity:
+    """What tells one file's bytes from another's of the same size and header (group loads check
+    that every rank opened the same checkpoint, ``streamer.group.identity``).
+
+    ``place``: where the bytes are, where equal places prove equal bytes (a local file: the host's
+    boot, device, inode, modification time); "" when the storage cannot say. ``content``: what the
+    bytes are (an object's ETag or generation; a hash of a local file's sampled blocks, or of
+    all of them); "" when nothing is known beyond size and header.
+    """
+
+    place: str = ""
+    content: str = ""
+
+
+@dataclass(frozen=True)
 class Front:
     """The first ``min(size, header_bytes)`` bytes of a file (fewer only if it was cut while read)."""
 
@@ -158,6 +173,11 @@ class Storage(ABC):
         """What one more request costs a run reading ``span`` of ``file`` (``read_cost`` unless the
         storage knows better, e.g. local bytes already in the page cache)."""
         return self.read_cost
+
+    def identify(self, files: Sequence[StoredFile], *, full: bool) -> list[FileIdentity]:
+        """Each file's identity beyond its size and header; ``full``: a content hash must cover
+        every byte (a whole read), not samples. Storages that know nothing more say nothing."""
+        return [FileIdentity() for _ in files]
 
     @abstractmethod
     def feed(

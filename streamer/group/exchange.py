@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import hashlib
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
@@ -42,6 +41,7 @@ from streamer.destinations.cpu import tensor_view
 from streamer.errors import ConfigError, StreamerError
 from streamer.format import DTYPES
 from streamer.format.safetensors import TensorEntry
+from streamer.group.identity import check_agreement, identity_values
 from streamer.group.plan import GroupPlan, Piece, Span, make_plan, merged, union_bytes
 from streamer.group.shared import SharedOutboxes, SharedRegion, region_layout
 from streamer.memory import streaming_budget
@@ -263,27 +263,26 @@ class GroupExchange:
     def _gather_wants(self) -> list[list[Span]]:
         """Every rank's wanted spans, the same list on every rank (two small all_gathers).
 
-        Each rank prefixes its spans with a fingerprint of the checkpoint's layout: ranks that
-        opened different checkpoints would mix bytes up, so that is a ``ConfigError`` on all.
+        Each rank prefixes its spans with the identity of the checkpoint it opened (``identity``):
+        ranks that opened different checkpoints would mix bytes up, so that is a ``ConfigError``
+        on all, before any byte moves.
         """
         spans = [(r.file, r.entry.begin, r.entry.end) for r in self._refs]
-        mine = torch.tensor(
-            [layout_digest(self._checkpoint), *(v for s in spans for v in s)], dtype=torch.int64
-        )
+        identity = identity_values(self._checkpoint, self._storage, full=self._config.group_verify == "full")
+        mine = torch.tensor([len(identity), *identity, *(v for s in spans for v in s)], dtype=torch.int64)
         doing = "exchanging what each rank wants"
         counts = self._all_gather(torch.tensor([mine.numel()], dtype=torch.int64), doing)
         longest = max(int(c.item()) for c in counts)
         padded = torch.zeros(longest, dtype=torch.int64)
         padded[: mine.numel()] = mine
-        every = self._all_gather(padded, doing)
-        if len({int(e[0].item()) for e in every}) != 1:
-            raise ConfigError(
-                "the ranks of the group opened different checkpoints (tensor names or byte layout "
-                "differ): every rank must open the same one"
-            )
+        every = [
+            values[: int(count.item())].tolist()
+            for values, count in zip(self._all_gather(padded, doing), counts, strict=True)
+        ]
+        check_agreement([values[1 : 1 + values[0]] for values in every], self._checkpoint.paths)
         wants = []
-        for values, count in zip(every, counts, strict=True):
-            flat = values[1 : int(count.item())].tolist()
+        for values in every:
+            flat = values[1 + values[0] :]
             wants.append([(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)])
         return wants
 
@@ -379,14 +378,6 @@ class GroupExchange:
                 f"group exchange failed while {doing} (rank {self._rank}; a rank failed, died or did not "
                 f"make the same call within group_timeout={self._timeout.total_seconds():g}s): {error}"
             ) from error
-
-
-def layout_digest(checkpoint: Checkpoint) -> int:
-    """A 63-bit fingerprint of the checkpoint's tensors and where their bytes are."""
-    h = hashlib.blake2b(digest_size=8)
-    for name, ref in checkpoint.tensors.items():
-        h.update(repr((name, ref.file, ref.entry.begin, ref.entry.end)).encode())
-    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def _piece_bytes(config: StreamerConfig, total: int, world_size: int, largest: int) -> int:

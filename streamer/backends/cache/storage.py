@@ -18,6 +18,7 @@ from concurrent.futures import Future
 
 from streamer.backends.base import (
     Feed,
+    FileIdentity,
     Named,
     Opened,
     Range,
@@ -88,6 +89,9 @@ class CachedS3Storage(Storage):
 
     def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
         return self._inner.read_ranges(ranges)
+
+    def identify(self, files: Sequence[StoredFile], *, full: bool) -> list[FileIdentity]:
+        return self._inner.identify(files, full=full)
 
     def feed(
         self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
