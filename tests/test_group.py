@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import shutil
+import stat
 import time
 import traceback
 from pathlib import Path
@@ -331,9 +332,14 @@ def _shm_per_rank(
     rank: int, world: int, source: str, shards: list[str], directories: list[str | None]
 ) -> dict[str, Any]:
     """Each rank with its own ``group_shm_dir``: ranks that cannot map each other's outboxes."""
+    import warnings
+
     settings = config(group_shm_dir=directories[rank])
-    got, _, metrics = _iterate(source, settings)
-    return {"differences": _differences(got, _reference(shards)), "metrics": metrics}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _, metrics = _iterate(source, settings)
+    shown = [f"{w.category.__name__}: {w.message}" for w in caught if "streamer" in str(w.message)]
+    return {"differences": _differences(got, _reference(shards)), "metrics": metrics, "warnings": shown}
 
 
 def _shared_copy(rank: int, world: int, source: str, shards: list[str], directory: str) -> dict[str, Any]:
@@ -486,7 +492,7 @@ def test_every_rank_gets_every_tensor_bit_exact_reading_about_its_share(
     shm.mkdir()
     settings = config(group_shm_dir=str(shm) if shared else None)
     reports = _spawn(tmp_path, world, "loads", str(written.source), shards, settings, limit)
-    assert list(shm.iterdir()) == []  # every shared file unlinked
+    assert _files_in(shm) == []  # every shared file unlinked
     # Same host: one shared copy where the whole load fits the limit (the auto one, here), outboxes
     # under a limit smaller than the checkpoint; the collectives when told not to share memory.
     transport = "shared copy" if shared else "collectives"
@@ -544,10 +550,20 @@ def test_the_shared_copy_is_private_to_each_rank_once_handed_out_and_unmapped_af
         assert report["mapped_while_held"] > 0
         assert report["mapped_after"] == [], f"rank {rank}"
     assert reports[0]["written"]
-    assert list(shm.iterdir()) == []
+    assert _files_in(shm) == []
 
 
-@pytest.mark.parametrize("case", ["other hosts", "one rank opts out", "missing directory", "a file"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "other hosts",
+        "one rank opts out",
+        "missing directory",
+        "a file",
+        "another user's directory",
+        "a directory others can write",
+    ],
+)
 def test_ranks_that_cannot_share_memory_fall_back_to_collectives_together(
     tmp_path: Path, written: Written, case: str
 ) -> None:
@@ -560,14 +576,47 @@ def test_ranks_that_cannot_share_memory_fall_back_to_collectives_together(
         "one rank opts out": [str(shm[0]), None],
         "missing directory": [str(shm[0]), str(tmp_path / "missing")],
         "a file": [str(tmp_path / "a-file"), str(tmp_path / "a-file")],
+        "another user's directory": [str(shm[0]), str(shm[0])],
+        "a directory others can write": [str(shm[0]), str(shm[0])],
     }[case]
+    private = shm[0] / f"streamer-group-{os.geteuid()}"
+    if case == "another user's directory":  # made first by someone else, who could swap the files
+        private.mkdir(mode=0o700)
+        os.chown(private, 65534, 65534)
+    elif case == "a directory others can write":
+        private.mkdir()
+        private.chmod(0o777)
     reports = _spawn(
         tmp_path, 2, "shm_per_rank", str(written.source), [str(s) for s in written.shards], directories
     )
     for report in reports:
         assert report["differences"] == []
         assert report["metrics"]["group"]["transport"] == "collectives"
-    assert list(shm[0].iterdir()) == list(shm[1].iterdir()) == []
+        if case.startswith(("another", "a directory")):
+            (shown,) = report["warnings"]
+            assert shown.startswith(f"SharedMemoryWarning: streamer group shared memory {str(private)!r}")
+        else:
+            assert report["warnings"] == []
+    assert _files_in(shm[0]) == _files_in(shm[1]) == []
+
+
+def test_ranks_share_memory_in_a_directory_of_this_users_alone(tmp_path: Path, written: Written) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o777)  # like /dev/shm: everyone may make files here, so the ranks make their own
+    reports = _spawn(
+        tmp_path, 2, "shm_per_rank", str(written.source), [str(s) for s in written.shards], [str(shm)] * 2
+    )
+    for report in reports:
+        assert report["differences"] == [] and report["warnings"] == []
+        assert report["metrics"]["group"]["transport"] != "collectives"
+    private = shm / f"streamer-group-{os.geteuid()}"
+    assert stat.S_IMODE(private.stat().st_mode) == 0o700 and private.stat().st_uid == os.geteuid()
+    assert _files_in(shm) == []
+
+
+def _files_in(directory: Path) -> list[Path]:
+    """What the ranks left: every shared file is unlinked once mapped (their directory stays)."""
+    return [p for p in directory.rglob("*") if not p.is_dir()]
 
 
 @pytest.fixture(scope="module")
@@ -654,7 +703,7 @@ def test_a_rank_that_fails_or_dies_makes_every_other_rank_raise_within_the_timeo
     shm.mkdir()
     settings = config(group_timeout=timeout, group_shm_dir=str(shm))
     survivor, _ = _spawn(tmp_path, 2, "failures", str(tmp_path), settings, expect_dead=(1,))
-    assert list(shm.iterdir()) == []  # nothing left behind by the rank that died either
+    assert _files_in(shm) == []  # nothing left behind by the rank that died either
     assert survivor["different_checkpoints"] == "ConfigError"
     kind, message, seconds = survivor["read_failure"]
     assert kind == "StreamerError" and "rank(s) [1]" in message

@@ -43,7 +43,7 @@ from streamer.format import DTYPES
 from streamer.format.safetensors import TensorEntry
 from streamer.group.identity import check_agreement, identity_values
 from streamer.group.plan import GroupPlan, Piece, Span, make_plan, merged, union_bytes
-from streamer.group.shared import SharedOutboxes, SharedRegion, region_layout
+from streamer.group.shared import SharedOutboxes, SharedRegion, private_directory, region_layout
 from streamer.memory import streaming_budget
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run, SinkFor
@@ -311,9 +311,10 @@ class GroupExchange:
         host and this load may hold every wanted byte at once (the caller keeps everything, or it
         fits the memory limit); else shared-memory outboxes; else (other hosts, a GPU group, no
         tmpfs) the group's collectives."""
-        directory = self._config.group_shm_dir
         if self._wire.type != "cpu" or self._world == 1:
             return None
+        root = self._config.group_shm_dir
+        directory = None if root is None else private_directory(root)
         budget = streaming_budget(self._config, [r.entry.nbytes for r in self._refs]).limit
         whole_fits = self._keep_all or budget is None or union <= budget
         votes = self._all_gather(

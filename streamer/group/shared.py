@@ -13,6 +13,10 @@ Setting up is collective and never fails a load: the ranks swap file names, map 
 every rank mapped every file, and then unlink them, so nothing stays on disk whatever later
 happens to the processes. If any rank cannot (ranks on other hosts or in other containers, no
 tmpfs, too little room), every rank gets ``None`` and falls back together.
+
+The files live in ``<group_shm_dir>/streamer-group-<uid>``, a directory of this user's alone
+(``private_directory``): another local user who could write where the ranks look for each other's
+files could hand them bytes of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +36,35 @@ from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.engine import native
 from streamer.group.plan import GroupPlan, Span
 from streamer.planner import align_down, align_up
+from streamer.safedir import Access
 
 AllGather = Callable[[torch.Tensor, str], list[torch.Tensor]]
 """The exchange's bounded ``all_gather`` of a small CPU tensor (``doing`` names it in errors)."""
 
 _PREFIX = "streamer-group"
 _MADV_POPULATE_READ = 22
+
+
+class SharedMemoryWarning(RuntimeWarning):
+    """The group's shared-memory directory is not this user's alone; the ranks exchange through
+    the process group instead."""
+
+
+def private_directory(root: str) -> str | None:
+    """This user's directory for shared files under ``root`` (made 0700 if missing); None where
+    there is no ``root``, or (with one ``SharedMemoryWarning``) where another user could write it."""
+    if not os.path.isdir(root):
+        return None
+    path = os.path.join(root, f"{_PREFIX}-{os.geteuid()}")
+    why = Access().prepare(path)
+    if why is None:
+        return path
+    warnings.warn(
+        f"streamer group shared memory {path!r} {why}: the ranks exchange through the process group instead",
+        SharedMemoryWarning,
+        stacklevel=2,
+    )
+    return None
 
 
 def outbox_layout(plan: GroupPlan) -> tuple[dict[int, int], list[int]]:
