@@ -241,6 +241,11 @@ class S3Config:
     retry_deadline: seconds after a request's first try after which no further try starts.
     min_rate, attempt_allowance: one try for ``n`` bytes (data, header read or listing page) is
         cut after ``attempt_allowance + n / min_rate`` seconds, even while bytes still trickle in.
+    low_speed_window, low_speed_tries: a try is also cut (and retried) as soon as any
+        ``low_speed_window`` seconds of it moved less than ``min_rate`` bytes per second, as
+        curl's low-speed limit does; a request cut so ``low_speed_tries`` times fails. With the
+        defaults a server that trickles fails in about 30 s, and a steady link at ``min_rate`` or
+        more is never cut.
     load_deadline: seconds a run's S3 reads may take in all; tries in flight are cut at it.
         ``None``: no such bound (each request is still bounded by the two above).
     require_etag: every response must carry the ETag the header read saw. ``False`` accepts
@@ -281,6 +286,8 @@ class S3Config:
     attempt_allowance: float = field(
         default_factory=lambda: _env_float("STREAMER_S3_ATTEMPT_ALLOWANCE", 20.0)
     )
+    low_speed_window: float = field(default_factory=lambda: _env_float("STREAMER_S3_LOW_SPEED_WINDOW", 10.0))
+    low_speed_tries: int = field(default_factory=lambda: _env_int("STREAMER_S3_LOW_SPEED_TRIES", 3))
     load_deadline: float | None = field(default_factory=lambda: _env_seconds("STREAMER_S3_LOAD_DEADLINE"))
     require_etag: bool = field(default_factory=lambda: _env_int("STREAMER_S3_REQUIRE_ETAG", 1) != 0)
     max_list_pages: int = 10_000
@@ -295,6 +302,8 @@ class S3Config:
             raise ConfigError("give both access_key_id and secret_access_key, or neither")
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.low_speed_tries < 1:
+            raise ConfigError(f"low_speed_tries must be at least 1, got {self.low_speed_tries}")
         if self.min_rate < 1 or self.max_list_pages < 1:
             raise ConfigError("min_rate and max_list_pages must be positive")
         if self.load_deadline is not None and not self.load_deadline > 0:
@@ -306,6 +315,7 @@ class S3Config:
             "backoff_base",
             "backoff_max",
             "attempt_allowance",
+            "low_speed_window",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

@@ -187,6 +187,22 @@ def trickle(server: HostileS3, request: Request, client: Any) -> bool:
     return True
 
 
+def steady(rate: int) -> Fault:
+    """The head, then the body at ``rate`` bytes per second, a twentieth of a second at a time."""
+
+    def send_steadily(server: HostileS3, request: Request, client: Any) -> bool:
+        answer = server.answer(request)
+        client.sendall(answer.head())
+        step = max(1, rate // 20)
+        for at in range(0, len(answer.body), step):
+            if server.stop.wait(0.05):
+                return False
+            client.sendall(answer.body[at : at + step])
+        return True
+
+    return send_steadily
+
+
 def stall(server: HostileS3, request: Request, client: Any) -> bool:
     answer = server.answer(request)
     client.sendall(answer.head() + answer.body[: len(answer.body) // 2])
@@ -522,6 +538,54 @@ def test_an_unverified_prefix_never_counts(
     data = server.requests("data")
     first = data[0]
     assert any(r.first == first.first and r.number > first.number for r in data[1:])
+
+
+# A trickle never lets a read time out; the low-speed rule cuts each try after a window under
+# min_rate, and a request cut low_speed_tries times fails. A link slower than the window but
+# steady above min_rate is never cut.
+SLOW = {"min_rate": 32 * KiB, "low_speed_window": 1.0, "attempt_allowance": 30.0, "read_timeout": 30.0}
+LOW_SPEED = {
+    "data-trickle-cut": Case(on("data", trickle), S3Error, "3 tries too slow", 3, overrides=SLOW),
+    "header-trickle-cut": Case(on("header", trickle), S3Error, "3 tries too slow", 3, overrides=SLOW),
+    "data-slow-but-steady": Case(on("data", steady(48 * KiB)), overrides=SLOW),
+    "header-slow-but-steady": Case(
+        on("header", steady(48 * KiB)), overrides={**SLOW, "header_bytes": 96 * KiB}
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(LOW_SPEED))
+def test_the_low_speed_rule_cuts_a_trickle_and_never_a_steady_link(
+    name: str, checkpoint: Checkpoint, warm: None, caplog: pytest.LogCaptureFixture, deadline: Any
+) -> None:
+    started = time.monotonic()
+    run(LOW_SPEED[name], checkpoint, caplog, deadline)
+    took = time.monotonic() - started
+    assert took > 1.0  # a whole window passed (the steady link's tries last longer than one)
+    assert took < 15.0 if "trickle" in name else True
+
+
+# S3Config's own values: what a user gets without tuning (the harness's are sized for speed).
+DEFAULTS = {
+    name: getattr(S3Config(), name)
+    for name in ("max_attempts", "retry_deadline", "connect_timeout", "read_timeout", "backoff_base")
+}
+DEFAULTS |= {"backoff_max": S3Config().backoff_max, "attempt_allowance": 20.0, "min_rate": 64 * KiB}
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_a_trickle_ends_typed_within_a_minute_with_default_settings(
+    where: str, checkpoint: Checkpoint, warm: None, caplog: pytest.LogCaptureFixture, deadline: Any
+) -> None:
+    """One byte every 100 ms: with the defaults each try is cut after 10 s, the third fails."""
+    started = time.monotonic()
+    run(
+        Case(on(where, trickle), S3Error, "tries too slow", 3, overrides=DEFAULTS),
+        checkpoint,
+        caplog,
+        deadline,
+    )
+    assert time.monotonic() - started < 45
 
 
 LISTINGS = {

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import re
 import socket
@@ -194,6 +195,7 @@ class _Response(asyncio.BufferedProtocol):
         self.received = 0  # body bytes written into dst by the current request
         self.trusted = False  # the head proved the object version: a received prefix may count
         self.activity = 0  # bumps on every read: the stall watchdog's clock
+        self._speed: LowSpeed | None = None  # the current try's byte count, for the low-speed rule
         self.status = 0
         self.headers: dict[str, str] = {}
         self._error_length = -1
@@ -203,9 +205,12 @@ class _Response(asyncio.BufferedProtocol):
 
     # --- the request side ---------------------------------------------------------------------
 
-    def start(self, dst: memoryview, begin: int, size: int, verify: Verify) -> asyncio.Future[None]:
+    def start(
+        self, dst: memoryview, begin: int, size: int, verify: Verify, speed: LowSpeed | None
+    ) -> asyncio.Future[None]:
         loop = asyncio.get_running_loop()
         self._dst, self._begin, self._size, self._verify = dst, begin, size, verify
+        self._speed = speed
         self._pending.clear()
         self._state = _HEAD
         self.received = 0
@@ -241,6 +246,8 @@ class _Response(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.activity += 1
+        if self._speed is not None:
+            self._speed.moved += nbytes
         if not self._running():
             if nbytes:  # bytes nobody asked for: the connection is out of step
                 self.keep_alive = False
@@ -495,12 +502,14 @@ class Connection:
         *,
         size: int,
         verify: Verify,
+        speed: LowSpeed | None = None,
     ) -> None:
         """GETs ``len(dst)`` bytes from ``begin`` of a ``size``-byte object into ``dst``.
 
         ``verify`` sees a success's headers before any body byte lands; it raises to refuse them
         and returns whether a prefix received before a later failure may count. On failure
         ``received`` says how many bytes of ``dst`` count (0 unless the head was trusted).
+        Every byte received (head and body) is added to ``speed``.
         """
         self.received = 0
         self.headers = {}
@@ -518,7 +527,7 @@ class Connection:
         if forwarder is not None and forwarder.authorization:
             lines.append(f"Proxy-Authorization: {forwarder.authorization}")
         lines += [f"{name}: {value}" for name, value in headers.items()]
-        done = protocol.start(dst, begin, size, verify)
+        done = protocol.start(dst, begin, size, verify, speed)
         protocol.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         try:
             await self._wait(protocol, done)
@@ -587,20 +596,61 @@ class Connection:
             protocol.transport.abort()  # no lingering FIN_WAIT; nothing more is sent anyway
 
 
+class LowSpeed:
+    """curl's low-speed rule for one try: it is too slow once some ``window`` seconds of it moved
+    fewer than ``rate * window`` bytes. The try adds what it receives to ``moved``; a server that
+    trickles a byte at a time never lets a read time out, and this still cuts it."""
+
+    def __init__(self, rate: int, window: float) -> None:
+        self.rate = rate
+        self.window = window
+        self.moved = 0
+        self._marks: collections.deque[tuple[float, int]] = collections.deque()
+
+    def too_slow(self, now: float) -> bool:
+        """Called every ``step`` seconds or so while the try runs."""
+        marks = self._marks
+        marks.append((now, self.moved))
+        while len(marks) > 1 and marks[1][0] <= now - self.window:
+            marks.popleft()
+        since, moved = marks[0]
+        return now - since >= self.window and self.moved - moved < self.rate * self.window
+
+    @property
+    def step(self) -> float:
+        return self.window / 10
+
+
+class TooSlow(TimeoutError):
+    """A try cut by the low-speed rule (``LowSpeed``)."""
+
+
 async def bounded(
-    coroutine: Coroutine[Any, Any, T], seconds: float, *, discard: Callable[[T], None] | None = None
+    coroutine: Coroutine[Any, Any, T],
+    seconds: float,
+    *,
+    discard: Callable[[T], None] | None = None,
+    speed: LowSpeed | None = None,
 ) -> T:
-    """``coroutine``'s result, or ``TimeoutError`` after ``seconds`` (it is then cancelled).
+    """``coroutine``'s result, or ``TimeoutError`` after ``seconds``, or ``TooSlow`` once ``speed``
+    says so (it is then cancelled).
 
     Unlike ``asyncio.wait_for`` on Python < 3.12, an exception the coroutine raises as the caller
     is cancelled is still retrieved: no "Task exception was never retrieved" at shutdown. A result
     that arrives as the caller is cancelled goes to ``discard`` (a connection that would else stay
     open, unowned, for as long as the process lives).
     """
+    loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(coroutine)
-    interrupted = False
+    interrupted = slow = False
+    until = loop.time() + seconds
     try:
-        await asyncio.wait({task}, timeout=seconds)
+        if speed is not None:
+            speed.too_slow(loop.time())
+        while not task.done() and loop.time() < until and not slow:
+            left = until - loop.time()
+            await asyncio.wait({task}, timeout=left if speed is None else min(left, speed.step))
+            slow = speed is not None and not task.done() and speed.too_slow(loop.time())
     except asyncio.CancelledError:
         interrupted = True
     while not task.done():  # cancelled again while it winds down: it still ends before we do
@@ -616,6 +666,9 @@ async def bounded(
             discard(task.result())
         raise asyncio.CancelledError
     if task.cancelled():
+        if slow:
+            assert speed is not None
+            raise TooSlow(f"under {speed.rate} bytes/s for {speed.window:g} s")
         raise TimeoutError(f"no answer within {seconds:.3g} s")
     return task.result()
 

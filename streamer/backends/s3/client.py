@@ -31,7 +31,9 @@ from typing import Any, TypeVar
 
 from streamer.backends.http import (
     Connection,
+    LowSpeed,
     Target,
+    TooSlow,
     bounded,
     content_range,
     ssl_context,
@@ -230,7 +232,7 @@ class S3Client:
         self,
         uri: S3Uri,
         byte_range: tuple[int, int] | None,
-        once: Callable[[], Coroutine[Any, Any, T]],
+        once: Callable[[LowSpeed], Coroutine[Any, Any, T]],
         *,
         nbytes: int,
         source_errors: bool = False,
@@ -238,7 +240,9 @@ class S3Client:
     ) -> T:
         """Runs ``once`` until it succeeds, fails for good, or runs out of tries or time.
 
-        Each try is cut after ``attempt_seconds(nbytes)`` (a trickling server is a stall too);
+        Each try is cut after ``attempt_seconds(nbytes)``, and sooner by the low-speed rule: once
+        ``low_speed_window`` seconds of it moved less than ``min_rate`` per second (``once`` counts
+        what it receives into its ``LowSpeed``); a request cut so ``low_speed_tries`` times fails.
         ``until`` (a ``time.monotonic()`` instant) cuts a try in flight and starts none after it.
         ``source_errors``: a missing or forbidden object raises ``S3SourceError`` (the source does
         not resolve) rather than ``S3Error`` (it went away during the load). The error is raised
@@ -246,9 +250,10 @@ class S3Client:
         """
         c = self.config
         started = time.monotonic()
-        attempts = 0
+        attempts = slow_tries = 0
         while True:
             attempts += 1
+            speed = LowSpeed(c.min_rate, c.low_speed_window)
             budget = self.attempt_seconds(nbytes)
             cut_by_deadline = until is not None and until - time.monotonic() < budget
             if until is not None:
@@ -258,12 +263,18 @@ class S3Client:
             try:
                 if budget <= 0:
                     raise TimeoutError
-                return await bounded(once(), budget)
+                return await bounded(once(speed), budget, speed=speed)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 failure = classify(exc)
-                if isinstance(exc, TimeoutError) and time.monotonic() - tried >= budget:
+                if isinstance(exc, TooSlow):
+                    slow_tries += 1
+                    failure = Retry(
+                        f"the try moved under {c.min_rate} bytes/s for {c.low_speed_window:g} s "
+                        "(S3Config.min_rate, low_speed_window)"
+                    )
+                elif isinstance(exc, TimeoutError) and time.monotonic() - tried >= budget:
                     if cut_by_deadline:
                         failure = Fatal(f"the load deadline of {c.load_deadline:g} s passed")
                     else:
@@ -287,9 +298,12 @@ class S3Client:
             delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
             out_of_time = time.monotonic() - started + delay > c.retry_deadline
             past_until = until is not None and time.monotonic() + delay >= until
-            if attempts >= c.max_attempts or out_of_time or past_until:
+            too_slow = slow_tries >= c.low_speed_tries
+            if attempts >= c.max_attempts or out_of_time or past_until or too_slow:
                 if past_until:
                     why = f"gave up at the load deadline of {c.load_deadline:g} s"
+                elif too_slow:
+                    why = f"gave up after {slow_tries} tries too slow"
                 else:
                     why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
                 raise S3Error(f"{why}: {failure.reason}", **where)
@@ -316,7 +330,7 @@ class S3Client:
     async def get_start(self, uri: S3Uri, length: int) -> tuple[bytes, ObjectInfo]:
         """Up to ``length`` bytes from the start of the object, with its size and ETag (one GET)."""
 
-        async def once() -> tuple[bytes, ObjectInfo]:
+        async def once(speed: LowSpeed) -> tuple[bytes, ObjectInfo]:
             import botocore.exceptions as be
 
             self.requests += 1
@@ -356,6 +370,7 @@ class S3Client:
                     if not chunk:
                         raise Retry(f"short body: {len(data)} of {want} bytes")
                     data += chunk
+                    speed.moved += len(chunk)
             finally:
                 body.close()
             self.bytes_fetched += len(data)
@@ -380,7 +395,7 @@ class S3Client:
         done = 0
         total = end - begin
 
-        async def once() -> None:
+        async def once(speed: LowSpeed) -> None:
             nonlocal done
             start = begin + done
             condition = if_match(info.etag)
@@ -412,6 +427,7 @@ class S3Client:
                     n = len(chunk)
                     view[done + received : done + received + n] = chunk
                     received += n
+                    speed.moved += n
                     self.bytes_fetched += n
             finally:
                 body.close()
@@ -460,13 +476,13 @@ class S3Client:
         def verify(response_headers: Mapping[str, str]) -> bool:
             return self._check_etag(info, response_headers.get("etag"))
 
-        async def once() -> None:
+        async def once(speed: LowSpeed) -> None:
             nonlocal done
             target = await self._target(uri)
             self.requests += 1
             try:
                 await connection.get(
-                    target, begin + done, view[done:], headers, size=info.size, verify=verify
+                    target, begin + done, view[done:], headers, size=info.size, verify=verify, speed=speed
                 )
             finally:
                 done += connection.received
@@ -500,7 +516,9 @@ class S3Client:
         for _ in range(self.config.max_list_pages):
             options: dict[str, Any] = {"ContinuationToken": token} if token else {}
 
-            async def once(options: dict[str, Any] = options) -> dict[str, Any]:
+            async def once(speed: LowSpeed, options: dict[str, Any] = options) -> dict[str, Any]:
+                # A page arrives whole (aiobotocore): no byte counts before it, so a listing
+                # slower than low_speed_window per page is cut as a trickle is.
                 self.requests += 1
                 result: dict[str, Any] = await self._client.list_objects_v2(
                     Bucket=bucket, Prefix=prefix, Delimiter="/", **options
