@@ -200,6 +200,21 @@ def test_an_index_over_the_size_limit_is_refused_without_reading_it_whole(tmp_pa
     assert time.monotonic() - started < 5
 
 
+def test_an_index_that_is_a_fifo_or_a_directory_is_refused_without_hanging(
+    tmp_path: Path, deadline: Any
+) -> None:
+    deadline(20)
+    fifo = tmp_path / "model.safetensors.index.json"
+    os.mkfifo(fifo)
+    with pytest.raises(SourceError, match="not a regular file") as info:
+        streamer.open(fifo)
+    assert info.value.path == str(fifo)
+    folder = tmp_path / "d" / "x.safetensors.index.json"
+    folder.mkdir(parents=True)
+    with pytest.raises(SourceError):
+        streamer.open(folder)
+
+
 def test_a_deeply_nested_index_is_a_source_error(tmp_path: Path) -> None:
     index = tmp_path / "model.safetensors.index.json"
     index.write_text('{"weight_map": {"a": "x.safetensors"}, "m": ' + "[" * 200_000 + "]" * 200_000 + "}")

@@ -6,6 +6,7 @@ import json
 import os
 import posixpath
 import re
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,12 +127,21 @@ def _directory_index(directory: Path) -> Path | None:
 def _resolve_index(index_path: Path) -> ResolvedSource:
     """Reads ``model.safetensors.index.json``; every shard it names must exist before any read."""
     try:
-        with index_path.open("rb") as file:
-            text = file.read(MAX_INDEX_BYTES + 1)
+        # O_NONBLOCK: opening a FIFO must not hang; it is then refused as not a regular file.
+        fd = os.open(index_path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise MissingFileError("no such index file", path=str(index_path)) from None
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        raise SourceError(f"cannot read the index: {exc}", path=str(index_path)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SourceError("the index is not a regular file", path=str(index_path))
+        with os.fdopen(os.dup(fd), "rb") as file:
+            text = file.read(MAX_INDEX_BYTES + 1)
     except OSError as exc:
         raise SourceError(f"cannot read the index: {exc}", path=str(index_path)) from None
+    finally:
+        os.close(fd)
     weight_map = parse_index(text, path=str(index_path))
     shards = sorted(set(weight_map.values()))
     directory = index_path.parent
