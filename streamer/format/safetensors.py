@@ -32,6 +32,7 @@ import torch
 
 from streamer.errors import HeaderError, SourceError, TruncatedFileError
 from streamer.format.dtypes import DTYPES, NO_TORCH_DTYPE, DType
+from streamer.format.impostors import what_it_is
 
 MAX_HEADER_BYTES = 100_000_000  # the same cap safetensors applies
 # Tensors one file may declare. Parsing costs ~25 us and ~1 KiB per tensor: a 100 MB header
@@ -137,8 +138,16 @@ def parse_header(header: bytes, *, path: str, file_size: int) -> FileHeader:
 
 def header_end(front: bytes, *, path: str, file_size: int) -> int:
     """How many bytes from the start of the file hold its header (the length prefix and the JSON),
-    from its first bytes ``front`` (at least the prefix)."""
-    return PREFIX_BYTES + header_length(front[:PREFIX_BYTES], path=path, file_size=file_size)
+    from its first bytes ``front`` (at least the prefix). A file that is not safetensors at all
+    but a common impostor (a pickle, a zip, GGUF, an HTML page, a Git LFS pointer) is a
+    ``HeaderError`` saying what it is."""
+    try:
+        return PREFIX_BYTES + header_length(front[:PREFIX_BYTES], path=path, file_size=file_size)
+    except HeaderError:
+        impostor = what_it_is(front)
+        if impostor is None:
+            raise
+    raise HeaderError(f"not a safetensors file: this is {impostor}", path=path)
 
 
 def parse_front(data: bytes, *, path: str, file_size: int) -> FileHeader:

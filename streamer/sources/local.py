@@ -80,13 +80,13 @@ def resolve(source: SourceLike) -> ResolvedSource:
             return _resolve_directory(path)
         if text.endswith(INDEX_SUFFIX):
             return _resolve_index(path)
-        return ResolvedSource(paths=(_existing_file(path),))
+        return ResolvedSource(paths=(_existing_file(path, directory=text.endswith(("/", os.sep))),))
     paths = [os.fspath(p) for p in source]
     if not paths:
         raise SourceError("the list of checkpoint files is empty")
     if len(set(paths)) != len(paths):
         raise SourceError("the list of checkpoint files names a file twice")
-    return ResolvedSource(paths=tuple(_existing_file(Path(p)) for p in paths))
+    return ResolvedSource(paths=tuple(_existing_file(Path(p), directory=False) for p in paths))
 
 
 def uri_scheme(text: str) -> str | None:
@@ -95,9 +95,17 @@ def uri_scheme(text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def _existing_file(path: Path) -> str:
+def _existing_file(path: Path, *, directory: bool) -> str:
+    """``path``, a regular file; ``directory``: the user named a directory (a trailing slash)."""
     if not path.exists():
-        raise MissingFileError("no such file", path=str(path))
+        missing = (
+            "no such directory"
+            if directory
+            else "no such file"
+            if path.suffix
+            else "no such file or directory"
+        )
+        raise MissingFileError(missing, path=str(path))
     if not path.is_file():
         raise SourceError("not a regular file", path=str(path))
     return str(path)
