@@ -37,7 +37,7 @@ import torch
 
 from streamer import pagecache
 from streamer.bench import stats
-from streamer.config import parse_size
+from streamer.config_fields import parse_size
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -23,7 +24,7 @@ from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tenso
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.engine import native
-from streamer.errors import ConfigError, SourceError, StreamerError
+from streamer.errors import ConfigError, FileClosedError, SourceError, StreamerError
 from streamer.format.safetensors import TensorEntry
 from streamer.group.exchange import GroupExchange
 from streamer.memory import streaming_budget
@@ -94,8 +95,8 @@ class Streamer:
     def __init__(
         self,
         source: SourceArg,
-        *,
         device: str | int | torch.device = "cpu",
+        *,
         config: StreamerConfig | None = None,
         order: Order = "completion",
         group: dist.ProcessGroup | None = None,
@@ -124,6 +125,37 @@ class Streamer:
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
         self._walk: KeyWalk | None = None  # get_tensor's read-ahead
+        self._closed = False
+
+    def __repr__(self) -> str:
+        checkpoint = self._checkpoint
+        paths = checkpoint.paths
+        where = repr(paths[0]) if len(paths) == 1 else f"{paths[0]!r} and {len(paths) - 1} more file(s)"
+        state = "closed" if self._closed else "open"
+        return (
+            f"<streamer.Streamer {where}: {len(checkpoint.tensors)} tensors, {checkpoint.nbytes:,} bytes, "
+            f"device={self.device}, {state}>"
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @contextlib.contextmanager
+    def reopened(self) -> Iterator[None]:
+        """Reads allowed again for a moment, then released (if the handle was closed): how a
+        ``safe_open`` slice taken before ``close()`` still reads, as safetensors' slices do."""
+        closed, self._closed = self._closed, False
+        try:
+            yield
+        finally:
+            if closed:
+                self.close()
+
+    def _check_open(self) -> None:
+        """Reading from a closed handle is a ``FileClosedError``, as from a closed ``safe_open``."""
+        if self._closed:
+            raise FileClosedError("the handle is closed", path=", ".join(self._checkpoint.paths))
 
     def keys(self) -> list[str]:
         return list(self.checkpoint.tensors)
@@ -190,6 +222,7 @@ class Streamer:
         A ref may be a byte range of one of this checkpoint's tensors under a name of its own
         (``rows``).
         """
+        self._check_open()
         run = self._new_run(refs, ordered=False, keep_all=True)
         self._run, self._exchange = run, None
         got = dict(run.results())
@@ -198,6 +231,7 @@ class Streamer:
     def read_packed(self, ref: TensorRef, packing: Packing) -> torch.Tensor:
         """The ranges of ``ref``'s tensor that ``packing`` lays out, back to back in one CPU buffer
         (uint8), read by one run of the handle's storage: how ``get_slice`` reads a shard."""
+        self._check_open()
         sink = functools.partial(PackedSink, packing, hugepages=self.config.hugepages)
         run = Run(self.checkpoint, [ref], self.config, sink, ordered=False, storage=self._storage)
         self._run, self._exchange = run, None
@@ -208,6 +242,7 @@ class Streamer:
         """``read`` with the handle's group: every rank calls it, each with the refs it wants
         (ranks may want different tensors or slices, e.g. ``rows``); bytes several ranks want are
         read once, bytes no rank wants are not read."""
+        self._check_open()
         if self._group is None:
             raise ConfigError("group_read needs a handle opened with group=")
         self._stop()
@@ -254,6 +289,7 @@ class Streamer:
         Called for the keys in ``keys()`` order, it reads the ones that follow ahead, in windows
         (``streamer.readahead``).
         """
+        self._check_open()
         ref = self.checkpoint.ref(name)  # a missing name raises here, naming it
         if self._walk is None:
             self._walk = self.key_walk(self.keys())
@@ -299,6 +335,7 @@ class Streamer:
 
     def _iterate(self, *, keep_all: bool) -> _Iteration:
         """``keep_all``: the caller keeps every tensor (``load``), so host buffers are not limited."""
+        self._check_open()
         current = self._iteration() if self._iteration is not None else None
         if (
             current is not None
@@ -379,7 +416,10 @@ class Streamer:
             iteration.close()
 
     def close(self) -> None:
-        """Stops a pass in progress and releases its threads, files, buffers and host ring."""
+        """Stops a pass in progress and releases its threads, files, buffers and host ring. Reading
+        afterwards is a ``FileClosedError``; what the open learned (``keys``, ``metadata``) and the
+        last read's ``metrics`` stay. Idempotent."""
+        self._closed = True
         self._stop()
         if self._walk is not None:
             self._walk.clear()
@@ -411,8 +451,8 @@ def _new_tensor(
 
 def open(
     source: SourceArg,
-    *,
     device: str | int | torch.device = "cpu",
+    *,
     config: StreamerConfig | None = None,
     order: Order = "completion",
     group: dist.ProcessGroup | None = None,

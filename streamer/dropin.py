@@ -107,6 +107,9 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
     def closed(self) -> bool:
         return self._closed
 
+    def __repr__(self) -> str:
+        return repr(self._handle).replace("<streamer.Streamer ", "<streamer.safe_open ", 1)
+
     def close(self) -> None:
         """Releases files and connections; slices taken before stay usable (each read of one
         reopens what it needs and releases it again)."""
@@ -134,7 +137,6 @@ class TensorSlice:
     """
 
     def __init__(self, owner: safe_open, ref: TensorRef) -> None:
-        self._owner = owner
         self._handle = owner._handle
         self._ref = ref
         entry = ref.entry
@@ -144,6 +146,12 @@ class TensorSlice:
     @property
     def _entry(self) -> TensorEntry:
         return self._ref.entry
+
+    def __repr__(self) -> str:
+        path = self._handle.checkpoint.headers[self._ref.file].path
+        return (
+            f"<streamer.TensorSlice {self._entry.name!r} {self.get_dtype()} {self.get_shape()} of {path!r}>"
+        )
 
     def get_shape(self) -> list[int]:
         """The shape in the header (a packed dtype counts values, not torch elements)."""
@@ -184,19 +192,13 @@ class TensorSlice:
 
     def _read(self, refs: list[TensorRef]) -> list[torch.Tensor]:
         """One run; once the ``safe_open`` is closed, what the run reopened (an S3 client) is closed again."""
-        try:
+        with self._handle.reopened():
             return self._handle.read(refs)
-        finally:
-            if self._owner.closed:
-                self._handle.close()
 
     def _read_packed(self, packing: slicing.Packing) -> torch.Tensor:
         """``_read`` of the ranges ``packing`` lays out, into one CPU buffer."""
-        try:
+        with self._handle.reopened():
             return self._handle.read_packed(self._ref, packing)
-        finally:
-            if self._owner.closed:
-                self._handle.close()
 
 
 def _from_range(

@@ -24,7 +24,7 @@ from conftest import BENCH_ENV, bench, bench_report
 from streamer.bench import cache, ceilings, cli, report, runner, synthetic
 from streamer.bench.checkpoint import resolve
 from streamer.bench.loaders import Setting
-from streamer.config import free_page_reporting
+from streamer.machine import free_page_reporting
 
 MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -429,8 +429,10 @@ def test_unavailable_device(small: Written, device: Any) -> None:
         {"concurrency": 100_000},
         {"block_size": 0},
         {"block_size": -4096},
-        {"memory_limit": 0},
         {"memory_limit": -1},
+        {"memory_limit": "lots"},
+        {"hugepages": "maybe"},
+        {"block_size": "16XB"},
         {"io_mode": "fast"},
     ],
 )
@@ -451,7 +453,7 @@ def test_bad_config(overrides: dict[str, Any]) -> None:
         ("STREAMER_CONCURRENCY", "0"),
         ("STREAMER_MEMORY_LIMIT", "lots"),
         ("STREAMER_IO_MODE", "fast"),
-        ("STREAMER_HUGEPAGES", "yes"),
+        ("STREAMER_HUGEPAGES", "maybe"),
     ],
 )
 def test_bad_environment(small: Written, monkeypatch: pytest.MonkeyPatch, variable: str, value: str) -> None:

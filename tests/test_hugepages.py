@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 import streamer
-from streamer import config as config_module
+from streamer import machine as config_module
 from streamer.config import StreamerConfig
 from streamer.engine import native
 

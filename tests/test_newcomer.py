@@ -67,3 +67,113 @@ def test_missing_paths_say_file_or_directory(tmp_path: Path) -> None:
         streamer.load(tmp_path / "model.safetensors")
     write_checkpoint(tmp_path / "real", {"a": torch.ones(2)}, index=False)
     assert list(streamer.load(f"{tmp_path}/real/")) == ["a"]
+
+
+# --- handles -----------------------------------------------------------------------------------
+
+
+def test_a_closed_handle_refuses_to_read_as_a_closed_safe_open_does(tmp_path: Path) -> None:
+    written = write_checkpoint(tmp_path, {"a": torch.ones(3), "b": torch.zeros(2)}, index=False)
+    with streamer.open(written.shards[0]) as handle:
+        assert dict(handle)["a"].tolist() == [1, 1, 1]
+    for read in (
+        lambda: list(handle),
+        lambda: handle.get_tensor("a"),
+        lambda: handle["a"],
+        lambda: handle.read([handle.checkpoint.ref("a")]),
+    ):
+        with pytest.raises(streamer.FileClosedError) as info:
+            read()
+        assert isinstance(info.value, ValueError) and info.value.path == str(written.shards[0])
+    assert handle.keys() == ["a", "b"] and handle.closed  # what the open learned stays
+    opened = streamer.safe_open(written.shards[0], "pt")
+    sliced = opened.get_slice("a")
+    opened.close()
+    with pytest.raises(streamer.FileClosedError):
+        opened.get_tensor("a")
+    assert sliced[1:].tolist() == [1, 1]  # a slice taken before close still reads, as in safetensors
+
+
+def test_handles_say_what_they_hold(tmp_path: Path) -> None:
+    written = write_checkpoint(tmp_path, {"a": torch.ones(3), "b": torch.zeros(2, 2)}, shards=2)
+    handle = streamer.open(written.directory, "cpu")  # the device positionally, as load takes it
+    shown = repr(handle)
+    assert shown.startswith("<streamer.Streamer ") and "2 tensors" in shown and "28 bytes" in shown
+    assert str(written.shards[0]) in shown and "1 more file" in shown and "device=cpu" in shown
+    assert shown.endswith(", open>")
+    handle.close()
+    assert repr(handle).endswith(", closed>")
+    opened = streamer.safe_open(written.shards[1], "pt")
+    assert repr(opened).startswith("<streamer.safe_open ") and repr(opened).endswith(", open>")
+    assert (
+        repr(opened.get_slice("b")) == f"<streamer.TensorSlice 'b' F32 [2, 2] of {str(written.shards[1])!r}>"
+    )
+    opened.close()
+    assert repr(opened).endswith(", closed>")
+
+
+# --- one parser for every configuration value ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("field", "given", "expected"),
+    [
+        ("block_size", "16MiB", 16 << 20),
+        ("block_size", 4096, 4096),
+        ("concurrency", "4", 4),
+        ("concurrency", 4, 4),
+        ("memory_limit", 0, "unlimited"),
+        ("memory_limit", "0", "unlimited"),
+        ("memory_limit", "unlimited", "unlimited"),
+        ("memory_limit", "auto", None),
+        ("memory_limit", "8GiB", 8 << 30),
+        ("hugepages", "yes", True),
+        ("hugepages", "0", False),
+        ("hugepages", "off", False),
+        ("page_fill", "1", True),
+        ("io_mode", "Direct", "direct"),
+        ("group_timeout", "2.5", 2.5),
+        ("group_shm_dir", "none", None),
+    ],
+)
+def test_a_field_takes_the_same_values_from_the_constructor_and_the_environment(
+    monkeypatch: pytest.MonkeyPatch, field: str, given: object, expected: object
+) -> None:
+    assert getattr(streamer.StreamerConfig(**{field: given}), field) == expected
+    monkeypatch.setenv(f"STREAMER_{field.upper()}", str(given))
+    assert getattr(streamer.StreamerConfig(), field) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "values", "accepted"),
+    [
+        (streamer.StreamerConfig, {"block_size": "16 potatoes"}, "a size of at least 1 bytes"),
+        (streamer.StreamerConfig, {"block_size": 1.5}, "a size"),
+        (streamer.StreamerConfig, {"concurrency": "four"}, "a whole number in 1..1024"),
+        (streamer.StreamerConfig, {"concurrency": 2000}, "a whole number in 1..1024"),
+        (streamer.StreamerConfig, {"hugepages": "maybe"}, "true or false"),
+        (streamer.StreamerConfig, {"memory_limit": -5}, "a size in bytes"),
+        (streamer.StreamerConfig, {"io_mode": "fast"}, "one of auto, buffered, direct"),
+        (streamer.StreamerConfig, {"group_timeout": "soon"}, "a positive number of seconds"),
+        (streamer.S3Config, {"concurrency": 0}, "a whole number in 1..1024"),
+        (streamer.S3Config, {"min_rate": "fast"}, "a size"),
+        (streamer.S3Config, {"anonymous": "perhaps"}, "true or false"),
+        (streamer.S3Config, {"load_deadline": -1}, "a positive number of seconds (or None)"),
+        (streamer.CacheConfig, {"max_bytes": "0"}, "a size"),
+        (streamer.CacheConfig, {"shared_group": "no-such-group-here"}, "a group name or gid"),
+    ],
+)
+def test_a_wrong_value_names_the_field_the_value_and_what_is_accepted(
+    config: type, values: dict[str, object], accepted: str
+) -> None:
+    ((field, value),) = values.items()
+    with pytest.raises(streamer.ConfigError) as info:
+        config(**values)
+    message = str(info.value)
+    assert field in message and repr(value) in message and accepted in message, message
+
+
+def test_a_wrong_environment_value_names_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMER_S3_MAX_ATTEMPTS", "lots")
+    with pytest.raises(streamer.ConfigError, match=r"s3\.max_attempts \(STREAMER_S3_MAX_ATTEMPTS\): 'lots'"):
+        streamer.StreamerConfig()

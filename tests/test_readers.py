@@ -13,11 +13,11 @@ import torch
 from copy_standin import StandIn
 
 import streamer
-from streamer.config import (
+from streamer.config import StreamerConfig
+from streamer.machine import (
     MAX_READERS,
     MIN_READERS,
     STAGED_READERS,
-    StreamerConfig,
     cgroup_cpu_quota,
     default_readers,
     usable_cores,

@@ -21,7 +21,7 @@ from streamer.bench import cache
 from streamer.bench.child import RESULT_MARK
 from streamer.bench.loaders import CONTROLLED_ENV, Setting
 from streamer.bench.units import format_bytes, gbps
-from streamer.config import free_page_reporting
+from streamer.machine import free_page_reporting
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds ``streamer/``
 T = TypeVar("T")

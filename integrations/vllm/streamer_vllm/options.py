@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamer.config import UNLIMITED, StreamerConfig, parse_size
+from streamer.config import UNLIMITED, StreamerConfig
 from streamer.errors import ConfigError, SourceError
 
 KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed", "cache_dir", "cache_max_bytes")
+_CACHE_KEYS = {"cache_dir": "dir", "cache_max_bytes": "max_bytes"}
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -33,17 +34,11 @@ class LoaderOptions:
     distributed: bool = True  # load through vLLM's TP group when there is one
 
 
-def _size(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{key} must be a number of bytes or a size such as '16MiB', got {value!r}")
-    size = parse_size(value, name=key)
-    if size < 1:
-        raise ConfigError(f"{key} must be positive, got {value!r}")
-    return size
-
-
 def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
-    """Validates the extra config; an unknown key or a bad value is a ``ConfigError`` that says why."""
+    """Validates the extra config; an unknown key or a bad value is a ``ConfigError`` that says why.
+
+    Values are parsed by ``StreamerConfig``'s own parsers, as its constructor and environment
+    variables are (``"16MiB"`` or ``16777216``, ``"4"`` or ``4``)."""
     extra = dict(extra or {})
     unknown = sorted(k for k in extra if k not in KEYS)
     if unknown:
@@ -51,33 +46,20 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
             f"unknown model_loader_extra_config key(s) for load format 'streamer': {', '.join(unknown)}; "
             f"valid keys: {', '.join(KEYS)}"
         )
-    changes: dict[str, Any] = {}
-    if "concurrency" in extra:
-        value = extra["concurrency"]
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"concurrency must be an integer, got {value!r}")
-        changes["concurrency"] = value
-    if "block_size" in extra:
-        changes["block_size"] = _size("block_size", extra["block_size"])
+    changes: dict[str, Any] = {key: extra[key] for key in ("concurrency", "block_size") if key in extra}
     if "memory_limit" in extra:
         value = extra["memory_limit"]
-        changes["memory_limit"] = UNLIMITED if value is None else _size("memory_limit", value)
-    cache = StreamerConfig().cache
-    if "cache_dir" in extra:
-        value = extra["cache_dir"]
-        if value is not None and (not isinstance(value, str) or not value.strip()):
-            raise ConfigError(f"cache_dir must be a directory, got {value!r}")
-        cache = dataclasses.replace(cache, dir=value)
-    if "cache_max_bytes" in extra:
-        cache = dataclasses.replace(cache, max_bytes=_size("cache_max_bytes", extra["cache_max_bytes"]))
-    changes["cache"] = cache
+        changes["memory_limit"] = UNLIMITED if value is None else value  # null: unbounded, as before
+    defaults = StreamerConfig()
+    cache = {field: extra[key] for key, field in _CACHE_KEYS.items() if key in extra}
+    changes["cache"] = dataclasses.replace(defaults.cache, **cache)
     weights = extra.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
         raise ConfigError(f"weights must be a path or an s3:// URI, got {weights!r}")
     distributed = extra.get("distributed", True)
     if not isinstance(distributed, bool):
         raise ConfigError(f"distributed must be true or false, got {distributed!r}")
-    config = dataclasses.replace(StreamerConfig(), **changes)  # __post_init__ checks the ranges
+    config = dataclasses.replace(defaults, **changes)  # __post_init__ parses every value
     return LoaderOptions(config=config, weights=weights, distributed=distributed)
 
 
