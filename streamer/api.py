@@ -24,10 +24,10 @@ from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tenso
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.engine import native
-from streamer.errors import ConfigError, FileClosedError, SourceError, StreamerError
+from streamer.errors import ConfigError, FileClosedError, KeyMismatchError, StreamerError
 from streamer.format.safetensors import TensorEntry
 from streamer.group.exchange import GroupExchange
-from streamer.memory import streaming_budget
+from streamer.memory import HeldTensors, over_limit_message, streaming_budget, warn_from_caller
 from streamer.progress import ByteProgress
 from streamer.readahead import MAX_WINDOW_BYTES, KeyWalk
 from streamer.run.cpu import CpuSink
@@ -125,6 +125,8 @@ class Streamer:
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
         self._walk: KeyWalk | None = None  # get_tensor's read-ahead
+        self._held = HeldTensors()  # what get_tensor gave out, against an explicit memory_limit
+        self._warned_held = False
         self._closed = False
 
     def __repr__(self) -> str:
@@ -293,7 +295,14 @@ class Streamer:
         ref = self.checkpoint.ref(name)  # a missing name raises here, naming it
         if self._walk is None:
             self._walk = self.key_walk(self.keys())
-        return self._walk.get(ref.entry.name)
+        tensor = self._walk.get(ref.entry.name)
+        limit = self.config.explicit_memory_limit  # host memory: on a GPU it bounds the ring only
+        if limit is not None and self.device.type == "cpu" and not self._warned_held:
+            self._held.hold(tensor)
+            if self._held.bytes > limit:  # the rule a streaming pass keeps
+                self._warned_held = True
+                warn_from_caller(over_limit_message(limit, self._held.bytes))
+        return tensor
 
     def key_walk(self, order: Sequence[str]) -> KeyWalk:
         """A read-ahead for ``get_tensor``-style calls walking the keys in ``order``."""
@@ -522,18 +531,21 @@ class IncompatibleKeys(NamedTuple):
 
 
 def load_into(
-    dest: Mapping[str, torch.Tensor],
+    dest: Mapping[str, torch.Tensor] | torch.nn.Module,
     source: SourceArg,
     *,
     config: StreamerConfig | None = None,
     strict: bool = True,
     group: dist.ProcessGroup | None = None,
 ) -> IncompatibleKeys:
-    """Reads the checkpoint straight into existing tensors (CPU or GPU, e.g. a model's state dict).
+    """Reads the checkpoint straight into existing tensors (CPU or GPU): a state dict, or a module
+    (its parameters and buffers, filled in place).
 
     Each tensor must have the checkpoint's dtype and shape (``ConfigError`` naming it otherwise).
-    With ``strict`` (the default) the names must match exactly (``SourceError`` naming the first
-    difference); without it, the names both sides have are loaded and the rest is reported.
+    With ``strict`` (the default) the names must match exactly: a ``KeyMismatchError`` (a
+    ``SourceError``) lists what each side lacks, both ways at once (``missing_keys``,
+    ``unexpected_keys``); without it, the names both sides have are loaded and the rest is
+    returned as ``IncompatibleKeys(missing_keys, unexpected_keys)``.
     Bytes go through a host ring of at most ``memory_limit`` bytes and are copied into the
     tensors in place; when this returns, the current stream of each GPU is ordered after the
     copies, and an error can leave some tensors loaded and others not.
@@ -544,6 +556,7 @@ def load_into(
     """
     config = config if config is not None else StreamerConfig()
     source = as_source(source)
+    tensors = _destination(dest)
     with open_storage(source, config) as storage:
         checkpoint = read_checkpoint(storage, source)
         if group is not None:  # every rank plans from a confirmed open
@@ -551,7 +564,7 @@ def load_into(
         # From a provisional open the load reads at once; nothing reaches ``dest`` before the
         # storage confirms it, and if the source changed the load runs again from the fresh one.
         try:
-            incompatible = _load_into(dest, storage, checkpoint, config, strict, group)
+            incompatible = _load_into(tensors, storage, checkpoint, config, strict, group)
         except StreamerError:
             fresh = confirmed(storage, checkpoint)
             if fresh is checkpoint:
@@ -560,7 +573,20 @@ def load_into(
             fresh = confirmed(storage, checkpoint)
             if fresh is checkpoint:
                 return incompatible
-        return _load_into(dest, storage, fresh, config, strict, group)
+        return _load_into(tensors, storage, fresh, config, strict, group)
+
+
+def _destination(dest: object) -> Mapping[str, torch.Tensor]:
+    """``load_into``'s ``dest``: a mapping of names to tensors, or a module (its ``state_dict``,
+    whose tensors share their parameters' and buffers' memory, so they are filled in place)."""
+    if isinstance(dest, torch.nn.Module):
+        return dest.state_dict()
+    if not isinstance(dest, Mapping):
+        raise ConfigError(
+            f"dest must be a mapping of names to tensors (a state_dict) or a torch.nn.Module, got "
+            f"{type(dest).__name__}"
+        )
+    return dest
 
 
 def _load_into(
@@ -573,14 +599,8 @@ def _load_into(
 ) -> IncompatibleKeys:
     missing = [name for name in dest if name not in checkpoint.tensors]
     unexpected = [name for name in checkpoint.tensors if name not in dest]
-    if strict and missing:
-        raise SourceError(f"{len(missing)} tensor(s) of dest are not in the checkpoint", tensor=missing[0])
-    if strict and unexpected:
-        raise SourceError(
-            f"{len(unexpected)} tensor(s) of the checkpoint have no place in dest (strict=False skips them)",
-            path=checkpoint.headers[checkpoint.tensors[unexpected[0]].file].path,
-            tensor=unexpected[0],
-        )
+    if strict and (missing or unexpected):
+        raise KeyMismatchError(missing, unexpected, paths=checkpoint.paths)
     if group is not None:
         _exchange_into(dest, storage, checkpoint, config, group)
         return IncompatibleKeys(missing, unexpected)

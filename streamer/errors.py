@@ -47,6 +47,34 @@ class MissingTensorError(SourceError, KeyError):
         return Exception.__str__(self)  # KeyError's own quotes the whole message
 
 
+class KeyMismatchError(SourceError):
+    """``load_into(strict=True)``: names the destination and the checkpoint do not share, both ways
+    at once (as ``torch.nn.Module.load_state_dict`` reports them)."""
+
+    def __init__(
+        self, missing_keys: list[str], unexpected_keys: list[str], *, paths: tuple[str, ...]
+    ) -> None:
+        self.missing_keys = missing_keys  # in dest, not in the checkpoint
+        self.unexpected_keys = unexpected_keys  # in the checkpoint, not in dest
+        parts = []
+        if missing_keys:
+            parts.append(f"missing from the checkpoint ({len(missing_keys)}): {_names(missing_keys)}")
+        if unexpected_keys:
+            parts.append(f"not in dest ({len(unexpected_keys)}): {_names(unexpected_keys)}")
+        where = paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more file(s)"
+        super().__init__(
+            "dest and the checkpoint name different tensors (strict=False loads those both have): "
+            + "; ".join(parts),
+            path=where,
+            tensor=(missing_keys or unexpected_keys)[0],
+        )
+
+
+def _names(names: list[str], shown: int = 10) -> str:
+    listed = ", ".join(repr(name) for name in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 class FileClosedError(StreamerError, ValueError):
     """The ``safe_open`` handle was closed; a ``ValueError`` like I/O on a closed Python file."""
 

@@ -9,9 +9,16 @@ round of block reads), so reading never waits for the consumer in the normal ``f
 
 from __future__ import annotations
 
+import sys
+import threading
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+
+import torch
 
 from streamer.config import UNLIMITED, StreamerConfig
 
@@ -63,6 +70,45 @@ def auto_budget(largest: int, *, in_flight: int, available: int | None) -> Strea
             needed, f"auto: 2 x largest tensor ({_gib(largest)}), more than half of available memory"
         )
     return StreamingBudget(cap, f"auto: half of available memory ({_gib(available)}), less than {reason}")
+
+
+def over_limit_message(limit: int, held: int) -> str:
+    """What a load says, once, when the tensors it handed out and the caller still holds exceed an
+    explicit ``memory_limit`` (a ``for`` loop's or ``get_tensor``'s alike)."""
+    return (
+        f"memory_limit {limit} exceeded: the tensors handed out and still referenced hold {held} bytes; "
+        "reading goes on one segment at a time. Drop (del) tensors you are done with, raise or unset "
+        "memory_limit, or use streamer.load() to keep everything"
+    )
+
+
+def warn_from_caller(message: str) -> None:
+    """A ``RuntimeWarning`` pointed at the first frame outside streamer: the loop calling ``next()``
+    or ``get_tensor()``, however many of streamer's frames lie between."""
+    level = 1  # this frame: the one that calls warnings.warn
+    frame: FrameType | None = sys._getframe(0)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "streamer":
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
+
+
+class HeldTensors:
+    """Bytes of the tensors a handle gave out one at a time (``get_tensor``) that the caller still
+    references: each is counted until it is collected."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        size = tensor.nbytes
+        with self._lock:
+            self.bytes += size
+        weakref.finalize(tensor, self._drop, size)
+
+    def _drop(self, size: int) -> None:
+        with self._lock:
+            self.bytes -= size
 
 
 def available_memory(proc: Path = Path("/proc"), cgroup_fs: Path = Path("/sys/fs/cgroup")) -> int | None:

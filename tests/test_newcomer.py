@@ -4,6 +4,7 @@ name the right thing, handles that say what they hold, and one way to pass argum
 from __future__ import annotations
 
 import struct
+import warnings
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,77 @@ def test_a_wrong_environment_value_names_its_variable(monkeypatch: pytest.Monkey
     monkeypatch.setenv("STREAMER_S3_MAX_ATTEMPTS", "lots")
     with pytest.raises(streamer.ConfigError, match=r"s3\.max_attempts \(STREAMER_S3_MAX_ATTEMPTS\): 'lots'"):
         streamer.StreamerConfig()
+
+
+# --- load_into ----------------------------------------------------------------------------------
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+
+
+def test_load_into_reports_both_directions_at_once(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"x{i}": torch.randn(3, generator=g) for i in range(5)} | {"shared": torch.ones(2)}
+    written = write_checkpoint(tmp_path, tensors, index=False)
+    dest = {f"y{i}": torch.zeros(3) for i in range(3)} | {"shared": torch.zeros(2)}
+    with pytest.raises(streamer.KeyMismatchError) as info:
+        streamer.load_into(dest, written.shards[0])
+    error = info.value
+    assert isinstance(error, streamer.SourceError)
+    assert error.missing_keys == ["y0", "y1", "y2"]
+    assert error.unexpected_keys == ["x0", "x1", "x2", "x3", "x4"]
+    assert "missing from the checkpoint (3): 'y0', 'y1', 'y2'" in str(error)
+    assert "not in dest (5): 'x0'" in str(error) and str(written.shards[0]) in str(error)
+    assert not dest["shared"].any()  # strict: nothing loaded
+    result = streamer.load_into(dest, written.shards[0], strict=False)
+    assert result == streamer.IncompatibleKeys(["y0", "y1", "y2"], ["x0", "x1", "x2", "x3", "x4"])
+    assert dest["shared"].tolist() == [1, 1]
+
+
+def test_load_into_takes_a_module_and_fills_its_parameters_and_buffers_in_place(tmp_path: Path) -> None:
+    source, target = _Tiny(), _Tiny()
+    source.steps.fill_(7)
+    written = write_checkpoint(
+        tmp_path, {k: v.detach().clone() for k, v in source.state_dict().items()}, index=False
+    )
+    weight = target.linear.weight
+    assert streamer.load_into(target, written.shards[0]) == streamer.IncompatibleKeys([], [])
+    assert target.linear.weight is weight and weight.requires_grad
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(target.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("dest", [[torch.zeros(3)], "weights", 5])
+def test_load_into_says_what_dest_must_be(tmp_path: Path, dest: object) -> None:
+    written = write_checkpoint(tmp_path, {"a": torch.ones(3)}, index=False)
+    with pytest.raises(streamer.ConfigError, match=r"a mapping of names to tensors .* or a torch.nn.Module"):
+        streamer.load_into(dest, written.shards[0])  # type: ignore[arg-type]
+
+
+def test_keeping_tensors_from_get_tensor_over_the_memory_limit_warns_as_iterating_does(
+    tmp_path: Path,
+) -> None:
+    tensors = {f"t{i}": torch.ones(1 << 20) for i in range(10)}  # 4 MiB each, 40 MiB in all
+    written = write_checkpoint(tmp_path, tensors, index=False)
+    config = streamer.StreamerConfig(memory_limit="8MiB")
+    for how in ("iterate", "get_tensor"):
+        kept = []
+        with (
+            pytest.warns(RuntimeWarning, match="memory_limit 8388608 exceeded") as caught,
+            streamer.open(written.shards[0], config=config) as handle,
+        ):
+            if how == "iterate":
+                kept.extend(tensor for _, tensor in handle)
+            else:
+                kept.extend(handle.get_tensor(name) for name in list(handle.keys()))
+        assert len([w for w in caught if "memory_limit" in str(w.message)]) == 1, how
+        assert caught[0].filename == __file__, how  # pointed at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # dropping each tensor stays within the limit: no warning
+        with streamer.open(written.shards[0], config=config) as handle:
+            for name in list(handle.keys()):
+                handle.get_tensor(name)

@@ -350,8 +350,8 @@ def test_load_into_parameters_and_non_contiguous_tensors(standin: StandIn, tmp_p
     [
         ("dtype", ConfigError, "dtype mismatch"),
         ("shape", ConfigError, "shape mismatch"),
-        ("extra", SourceError, "not in the checkpoint"),
-        ("missing", SourceError, "no place in dest"),
+        ("extra", SourceError, "missing from the checkpoint"),
+        ("missing", SourceError, "not in dest"),
         ("not-a-tensor", ConfigError, "not a tensor"),
     ],
 )

@@ -15,18 +15,15 @@ through it lies in a page still to come. The buffer is unregistered once the seg
 
 from __future__ import annotations
 
-import sys
 import time
-import warnings
 from collections.abc import Sequence
-from types import FrameType
 
 import torch
 
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.cpu import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
-from streamer.memory import streaming_budget
+from streamer.memory import over_limit_message, streaming_budget, warn_from_caller
 from streamer.metrics import LoadMetrics
 from streamer.planner import Segment, plan_segments
 from streamer.run.driver import Submit
@@ -256,15 +253,11 @@ class CpuSink:
                 "alone, over the limit; raise memory_limit, or leave it unset to size it from the checkpoint"
             )
         elif held + charge > limit:
-            message = (
-                f"memory_limit {limit} exceeded: the tensors handed out and still referenced hold "
-                f"{self._budget.used} bytes; reading goes on one segment at a time. Drop (del) tensors "
-                "you are done with, raise or unset memory_limit, or use streamer.load() to keep everything"
-            )
+            message = over_limit_message(limit, self._budget.used)
         else:
             return
         self._warned_over_limit = True
-        warnings.warn(message, RuntimeWarning, stacklevel=_caller_outside_streamer())
+        warn_from_caller(message)
 
     def _take_tensor(self, unit: int) -> tuple[torch.Tensor, int]:
         index = self._segment_of_unit[unit]
@@ -277,13 +270,3 @@ class CpuSink:
             del self._buffers[index]  # the views now own it
             del self._undelivered[index]
         return tensor, charge
-
-
-def _caller_outside_streamer() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside this package: the loop
-    calling ``next()`` or ``get_tensor()``, however many of streamer's frames lie between."""
-    level = 1
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "streamer":
-        level, frame = level + 1, frame.f_back
-    return level
