@@ -82,8 +82,9 @@ class Streamer:
     as tensors complete (``order="checkpoint"``: in file and offset order). Every
     tensor handed out is backed by memory no other tensor will ever reuse.
 
-    On a GPU, reads go through a ring of pinned host slots (``memory_limit`` bytes, default
-    the smaller of 1 GiB and the bytes to read), allocated once and reused by every read of
+    On a GPU, reads go through a ring of pinned host slots (``memory_limit`` bytes; by default
+    two rounds of the storage's reads in flight, at most 1 GiB: 128 MiB for local files, 1 GiB
+    from S3; never more than the bytes to read), allocated once and reused by every read of
     this handle until ``close()``; tensors are views into one device allocation per group of
     neighbouring tensors, handed out once the current stream is ordered after their copies.
 
