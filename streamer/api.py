@@ -32,6 +32,7 @@ from streamer.progress import ByteProgress
 from streamer.readahead import MAX_WINDOW_BYTES, KeyWalk
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
+from streamer.run.inline import InlineRun, fits_inline
 from streamer.run.packed import PackedSink
 from streamer.run.staged import StagedSink, Staging
 from streamer.slicing import Packing
@@ -121,7 +122,7 @@ class Streamer:
             raise
         self._provisional = True
         self._group = group
-        self._run: Run | None = None  # the last read, for metrics
+        self._run: Run | InlineRun | None = None  # the last read, for metrics
         self._exchange: GroupExchange | None = None  # the last read's, if it was a group read
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
@@ -372,7 +373,7 @@ class Streamer:
         return iteration
 
     def _confirmed_results(
-        self, run: Run, *, ordered: bool, keep_all: bool
+        self, run: Run | InlineRun, *, ordered: bool, keep_all: bool
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """The results of ``run``, a pass over every tensor, handed on once the open it was planned
         from is confirmed. From a provisional open the run reads at once but its storage credits
@@ -400,8 +401,11 @@ class Streamer:
             del first  # the consumer's reference alone keeps it (memory_limit counts on that)
             yield from results
 
-    def _new_run(self, refs: Sequence[TensorRef], *, ordered: bool, keep_all: bool = False) -> Run:
-        """A direct read into CPU memory, or a staged one through the ring where a copy engine is needed.
+    def _new_run(
+        self, refs: Sequence[TensorRef], *, ordered: bool, keep_all: bool = False
+    ) -> Run | InlineRun:
+        """A direct read into CPU memory (small runs of local files on the caller's thread), or a
+        staged one through the ring where a copy engine is needed.
 
         The staged ring is bounded by ``memory_limit`` even when everything is kept: the tensors
         live on the device, the limit bounds host memory.
@@ -409,6 +413,8 @@ class Streamer:
         engine = copy_engine.staged_engine(self.device)
         if engine is None:
             config = dataclasses.replace(self.config, memory_limit=UNLIMITED) if keep_all else self.config
+            if self._inline_reads and fits_inline(refs, config):
+                return InlineRun(self._checkpoint, refs, config)
             cpu = functools.partial(
                 CpuSink,
                 config,
@@ -419,6 +425,12 @@ class Streamer:
             return Run(self._checkpoint, refs, config, cpu, ordered=ordered, storage=self._storage)
         staging = Staging(self.device, engine, functools.partial(NewMemory, self.device), self._rings)
         return _staged_run(self._checkpoint, refs, self.config, staging, self._storage, ordered=ordered)
+
+    @property
+    def _inline_reads(self) -> bool:
+        """Whether small runs may be read on the caller's thread: local files the engine would read
+        by path, unless ``io_mode="direct"`` asks for O_DIRECT."""
+        return self._storage.reads_in_engine and self.config.io_mode != "direct"
 
     def _stop(self) -> None:
         iteration = self._iteration() if self._iteration is not None else None

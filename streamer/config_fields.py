@@ -11,6 +11,7 @@ calls ``parse_fields``, which replaces every declared field's value by its parse
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -50,18 +51,25 @@ def setting(
 
 def parse_fields(config: object, *, section: str = "") -> None:
     """Replaces each ``setting`` field of the frozen dataclass ``config`` by its parsed value."""
-    for field in dataclasses.fields(config):  # type: ignore[arg-type]
-        parse = field.metadata.get("parse")
-        if parse is None:
-            continue
-        value = getattr(config, field.name)
+    config_class: Any = type(config)  # a class is hashable; mypy's view of type[object] is not
+    for name, parse, names in _settings(config_class):
+        value = getattr(config, name)
         try:
             parsed = parse(value)
         except ValueError as error:
-            names = field.metadata["env"]
-            where = f"{section}{field.name}" + (f" ({', '.join(names)})" if names else "")
+            where = f"{section}{name}" + (f" ({', '.join(names)})" if names else "")
             raise ConfigError(f"{where}: {value!r} is not {error}") from None
-        object.__setattr__(config, field.name, parsed)
+        object.__setattr__(config, name, parsed)
+
+
+@functools.cache
+def _settings(config_class: type) -> tuple[tuple[str, Parser, tuple[str, ...]], ...]:
+    """The ``setting`` fields of a config class: name, parser, variables (looked up once per class)."""
+    return tuple(
+        (field.name, field.metadata["parse"], field.metadata["env"])
+        for field in dataclasses.fields(config_class)
+        if "parse" in field.metadata
+    )
 
 
 def parse_size(text: str | int, *, name: str) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path, PurePosixPath
 
 # Reader threads when ``concurrency`` is left to the machine. Warm reads are page-cache copies, so
@@ -114,5 +115,18 @@ def free_page_reporting() -> bool:
 
 
 def hugepages_by_default() -> bool:
-    """Huge pages where the kernel has them, except on VMs with free page reporting (see there)."""
-    return _transparent_hugepages() and not free_page_reporting()
+    """Huge pages where the kernel has them, except on VMs with free page reporting (see there).
+
+    Asked by every config that is built (a load with the default config builds one): the answer
+    is kept for a second, for the files it was read from."""
+    key = (THP_SETTING, BALLOON_DEVICES)
+    now = time.monotonic()
+    kept = _HUGEPAGES_DEFAULT.get(key)
+    if kept is None or now - kept[0] > _KEEP_SECONDS:
+        kept = (now, _transparent_hugepages() and not free_page_reporting())
+        _HUGEPAGES_DEFAULT[key] = kept
+    return kept[1]
+
+
+_KEEP_SECONDS = 1.0
+_HUGEPAGES_DEFAULT: dict[tuple[str, str], tuple[float, bool]] = {}

@@ -72,12 +72,14 @@ def _no_streamer_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def config(**overrides: Any) -> StreamerConfig:
-    """A config with small, explicit defaults (tests use small checkpoints)."""
+    """A config with small, explicit defaults (tests use small checkpoints), reading every run
+    through the engine (a small run would be read inline: ``tests/test_inline.py`` tests that)."""
     values: dict[str, Any] = {
         "concurrency": 4,
         "block_size": 64 * KiB,
         "memory_limit": None,
         "io_mode": "auto",
+        "inline_max_bytes": 0,
     }
     values.update(overrides)
     return StreamerConfig(**values)

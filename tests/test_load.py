@@ -462,6 +462,7 @@ def test_env_defaults_are_used(
     monkeypatch.setenv("STREAMER_CONCURRENCY", "3")
     monkeypatch.setenv("STREAMER_BLOCK_SIZE", "12KiB")
     monkeypatch.setenv("STREAMER_IO_MODE", "buffered")
+    monkeypatch.setenv("STREAMER_INLINE_MAX_BYTES", "0")
     with streamer.open(mixed.index) as s:
         assert (s.config.concurrency, s.config.block_size, s.config.io_mode) == (3, 12 * KiB, "buffered")
         assert_same_dict(dict(iter(s)), mixed_reference)

@@ -125,7 +125,7 @@ def test_under_an_address_space_limit_files_are_read_not_mapped(tmp_path: Path) 
         import json, resource
         import streamer
         resource.setrlimit(resource.RLIMIT_AS, (1 << 40, resource.RLIM_INFINITY))
-        config = streamer.StreamerConfig(page_fill=True, io_mode="buffered")
+        config = streamer.StreamerConfig(page_fill=True, io_mode="buffered", inline_max_bytes=0)
         with streamer.open({str(written.source)!r}, config=config) as handle:
             dict(iter(handle))
             print(json.dumps([handle.metrics["filled_bytes"], handle.metrics["mapped_bytes"]]))
@@ -284,7 +284,9 @@ def test_a_seccomp_filter_that_refuses_userfaultfd_leaves_the_load_plain(tmp_pat
     script = _SECCOMP_DENY_USERFAULTFD + textwrap.dedent(
         f"""
         import json, streamer, torch
-        cfg = streamer.StreamerConfig(page_fill=True, io_mode="buffered", block_size=64 * 1024)
+        cfg = streamer.StreamerConfig(
+            page_fill=True, io_mode="buffered", block_size=64 * 1024, inline_max_bytes=0
+        )
         with streamer.open({str(written.source)!r}, config=cfg) as handle:
             got = {{name: tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
                    for name, tensor in handle}}
@@ -352,7 +354,7 @@ def test_the_environment_decides_when_the_user_does_not(monkeypatch: pytest.Monk
     monkeypatch.setenv("STREAMER_PAGE_FILL", "1")
     assert StreamerConfig(hugepages=True).fills_pages() is True
     assert StreamerConfig(page_fill=False).fills_pages() is False
-    monkeypatch.setenv("STREAMER_PAGE_FILL", "yes")
+    monkeypatch.setenv("STREAMER_PAGE_FILL", "maybe")
     with pytest.raises(ConfigError, match="STREAMER_PAGE_FILL"):
         StreamerConfig()
 

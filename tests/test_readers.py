@@ -49,8 +49,9 @@ def _cgroup_v2(root: Path, own: str, limits: dict[str, str]) -> Path:
 
 def test_cgroup_v2_quota_is_the_tightest_of_the_cgroup_and_its_ancestors(tmp_path: Path) -> None:
     self_cgroup = _cgroup_v2(
-        tmp_path, "/kubepods/pod1/ctr", {"/kubepods": "max 100000", "/kubepods/pod1": "250000 100000",
-                                         "/kubepods/pod1/ctr": "max 100000"}
+        tmp_path,
+        "/kubepods/pod1/ctr",
+        {"/kubepods": "max 100000", "/kubepods/pod1": "250000 100000", "/kubepods/pod1/ctr": "max 100000"},
     )
     assert cgroup_cpu_quota(str(tmp_path), str(self_cgroup)) == 2.5
     # 2.5 CPUs of time keep 3 threads busy at most.
@@ -122,12 +123,16 @@ def test_a_load_reports_the_readers_it_ran(
     path, tensors = checkpoint
     monkeypatch.delenv("STREAMER_CONCURRENCY", raising=False)
     block = 64 << 10  # ~100 blocks: more than any reader count
-    with streamer.open(path, config=StreamerConfig(block_size=block)) as handle:  # into CPU memory
+    with streamer.open(
+        path, config=StreamerConfig(block_size=block, inline_max_bytes=0)
+    ) as handle:  # into CPU memory
         loaded = dict(iter(handle))
         assert handle.metrics["readers"] == StreamerConfig().readers()
     for name, tensor in tensors.items():
         assert torch.equal(loaded[name], tensor)
-    with streamer.open(path, config=StreamerConfig(concurrency=3, block_size=block)) as handle:
+    with streamer.open(
+        path, config=StreamerConfig(concurrency=3, block_size=block, inline_max_bytes=0)
+    ) as handle:
         dict(iter(handle))
         assert handle.metrics["readers"] == 3
 
@@ -136,17 +141,23 @@ def test_a_run_starts_no_more_readers_than_it_has_blocks(
     checkpoint: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
     path, tensors = checkpoint
-    with streamer.open(path, config=StreamerConfig(concurrency=8, block_size=8 << 20)) as handle:
+    with streamer.open(
+        path, config=StreamerConfig(concurrency=8, block_size=8 << 20, inline_max_bytes=0)
+    ) as handle:
         # 1 MiB under 8 MiB blocks: at most 2 (a span may straddle the block grid).
         assert torch.equal(handle.get_tensor("layer.3"), tensors["layer.3"])
         assert handle.metrics["readers"] == 2
-    with streamer.open(path, config=StreamerConfig(concurrency=16, block_size=256 << 10)) as handle:
+    with streamer.open(
+        path, config=StreamerConfig(concurrency=16, block_size=256 << 10, inline_max_bytes=0)
+    ) as handle:
         assert torch.equal(handle.get_tensor("layer.3"), tensors["layer.3"])  # 4 blocks, +2
         assert handle.metrics["readers"] == 6
     big = torch.randn(16 << 20)  # 64 MiB, one tensor: one unit of many blocks
     path_big = path.with_name("big.safetensors")
     safetensors.torch.save_file({"big": big}, path_big)
-    with streamer.open(path_big, config=StreamerConfig(concurrency=8, block_size=1 << 20)) as handle:
+    with streamer.open(
+        path_big, config=StreamerConfig(concurrency=8, block_size=1 << 20, inline_max_bytes=0)
+    ) as handle:
         assert torch.equal(handle.get_tensor("big"), big)
         assert handle.metrics["readers"] == 8
 

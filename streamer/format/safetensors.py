@@ -332,6 +332,10 @@ def _metadata(value: object, *, path: str) -> dict[str, str]:
 
 
 def _entry(name: str, value: object, *, path: str, data_start: int) -> TensorEntry:
+    quick = _plain_entry(name, value, data_start)
+    if quick is not None:
+        return quick
+
     def fail(message: str) -> HeaderError:
         return HeaderError(message, path=path, tensor=name)
 
@@ -392,6 +396,32 @@ def _entry(name: str, value: object, *, path: str, data_start: int) -> TensorEnt
     return TensorEntry(
         name, dtype, _torch_shape(shape, dtype, fail=fail), data_start + begin, data_start + end
     )
+
+
+def _plain_entry(name: str, value: object, data_start: int) -> TensorEntry | None:
+    """The entry of the form safetensors writes (an object of exactly dtype, shape and offsets, a
+    one-element-per-item dtype, every dimension positive, sizes that agree), checked in a few
+    steps; None for anything else, which ``_entry`` then checks rule by rule (and names the fault).
+
+    With every dimension positive the running product only grows, so ``prod(shape) < 2**63`` is
+    also safetensors' u64 rule and torch's size and stride limits."""
+    if type(value) is not _Object or value.repeated is not None or len(value) != len(_FIELDS):
+        return None
+    dtype_name, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
+    if type(dtype_name) is not str or type(shape) is not list or type(offsets) is not list:
+        return None
+    if len(offsets) != 2:
+        return None
+    dtype = DTYPES.get(dtype_name)
+    begin, end = offsets
+    if dtype is None or dtype.per_item != 1 or type(begin) is not int or type(end) is not int:
+        return None
+    if not 0 <= begin <= end or not all(type(dim) is int and dim > 0 for dim in shape):
+        return None
+    count = math.prod(shape)
+    if count >= _TORCH_MAX_DIM or count * dtype.itemsize != end - begin:
+        return None
+    return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
 def _element_count(shape: tuple[int, ...], *, fail: Callable[[str], HeaderError]) -> int:

@@ -1,0 +1,104 @@
+"""Small files loaded in one process, warm: streamer against safetensors plus a copy, paired by round.
+
+    python benchmarks/small_files.py [--sizes 1.5MiB,16MiB,40MiB] [--repeat 30]
+
+Adapters, tokenizer-sized side files and many-shard checkpoints are made of such files, loaded
+one after another by a process that is already running, so what counts is the call's own cost
+with the file in the page cache. For each size a file of 16 float32 tensors is written to
+``/var/tmp``, read once to warm it, and each round calls, in a rotating order,
+``streamer.load_file`` and ``safetensors.torch.load_file`` followed by a ``clone()`` of every
+tensor (safetensors maps the file: its tensors are views of the page cache, read when touched;
+the copy is what makes them process memory, as streamer's are). Reported: each one's median
+milliseconds and the per-round ratio (safetensors + copy over streamer) with its bootstrap
+interval and verdict (``streamer.bench.stats``): above 1, streamer is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+import streamer
+from streamer.bench import stats
+
+TENSORS = 16
+
+
+def with_streamer(path: Path) -> dict[str, torch.Tensor]:
+    return streamer.load_file(path)
+
+
+def with_safetensors_and_copy(path: Path) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in safetensors.torch.load_file(path).items()}
+
+
+LOADERS: dict[str, Callable[[Path], dict[str, torch.Tensor]]] = {
+    "streamer": with_streamer,
+    "safetensors + copy": with_safetensors_and_copy,
+}
+
+
+def run(path: Path, repeat: int) -> dict[str, dict[int, float]]:
+    """Seconds per loader per round, in a rotating order."""
+    names = list(LOADERS)
+    for name in names:
+        LOADERS[name](path)  # warm: the page cache, and each loader's first-call costs
+    seconds: dict[str, dict[int, float]] = {name: {} for name in names}
+    for round_ in range(repeat):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            started = time.perf_counter()
+            loaded = LOADERS[name](path)
+            seconds[name][round_] = time.perf_counter() - started
+            del loaded
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sizes", default="1.5MiB,16MiB,40MiB", help="file sizes, comma-separated")
+    parser.add_argument("--repeat", type=int, default=30)
+    args = parser.parse_args()
+    print(f"warm, one process, {args.repeat} rounds; ratio = safetensors + copy / streamer, per round")
+    print(f"{'size':>8} {'streamer':>10} {'st + copy':>10}  ratio [95% interval]")
+    with tempfile.TemporaryDirectory(prefix="small-files-", dir="/var/tmp") as directory:
+        for text in args.sizes.split(","):
+            size = _size(text)
+            path = Path(directory) / f"{text}.safetensors"
+            g = torch.Generator().manual_seed(size)
+            elements = max(1, size // 4 // TENSORS)
+            tensors = {f"t{i}": torch.randn(elements, generator=g) for i in range(TENSORS)}
+            safetensors.torch.save_file(tensors, str(path))
+            seconds = run(path, args.repeat)
+            ours, theirs = seconds["streamer"], seconds["safetensors + copy"]
+            paired = stats.compare(ours, theirs)
+            interval = f"[{paired.low:.2f}, {paired.high:.2f}]" if paired.low is not None else ""
+            print(
+                f"{text:>8} {1e3 * statistics.median(ours.values()):8.2f}ms "
+                f"{1e3 * statistics.median(theirs.values()):8.2f}ms  {paired.ratio:.2f}x {interval} "
+                f"{paired.verdict}"
+            )
+
+
+def _size(text: str) -> int:
+    """A size such as ``1.5MiB`` (binary units; a fraction of a unit allowed)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise SystemExit(f"--sizes: cannot read {text!r} as a size (like 1.5MiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""A small run of local files, read on the caller's thread: no engine, no reader threads, no plan.
+
+Adapters, tokenizer-sized side files and the many small shards of some checkpoints cost a few
+milliseconds each through the engine (starting and joining its readers, fresh mapped buffers
+faulted in page by page), where the bytes themselves take a fraction of one. A run of at most
+``StreamerConfig.inline_max_bytes`` from local files into CPU memory is therefore read here instead: each
+tensor gets its own memory from torch's allocator (recycled by the C library, as a copy's would
+be, so no page is faulted in twice), and neighbouring tensors are read with one ``preadv``.
+A short read is the same typed error the engine gives; the file and tensor are named.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Generator, Iterator, Sequence
+
+import torch
+
+from streamer.checkpoint import Checkpoint, TensorRef
+from streamer.config import StreamerConfig
+from streamer.destinations.cpu import empty_tensor
+from streamer.errors import ReadError, SourceError
+from streamer.memory import streaming_budget
+from streamer.selection import Selection, run_then_close
+
+
+def fits_inline(refs: Sequence[TensorRef], config: StreamerConfig) -> bool:
+    """Whether a run of ``refs`` under ``config`` is small enough to read inline: at most
+    ``inline_max_bytes``, and within an explicit ``memory_limit``."""
+    spans: dict[int, tuple[int, int]] = {}
+    for ref in refs:
+        if ref.entry.nbytes:
+            begin, end = spans.get(ref.file, (ref.entry.begin, ref.entry.end))
+            spans[ref.file] = (min(begin, ref.entry.begin), max(end, ref.entry.end))
+    total = sum(end - begin for begin, end in spans.values())
+    limit = config.explicit_memory_limit
+    return total <= config.inline_max_bytes and (limit is None or total <= limit)
+
+
+class InlineRun:
+    """Reads ``refs`` of ``checkpoint``'s local files once, in the caller's thread; a ``Run`` for
+    the handle (``results``, ``metrics``, ``close``)."""
+
+    def __init__(self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig) -> None:
+        self._checkpoint = checkpoint
+        selection = Selection.of(refs)
+        self._refs = selection.refs
+        self.metrics = selection.new_metrics()
+        budget = streaming_budget(config, [ref.entry.nbytes for ref in self._refs])
+        self.metrics.memory_limit, self.metrics.memory_limit_source = budget.limit, budget.source
+
+    def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Yields ``(name, tensor)`` in file and offset order (also the completion order)."""
+        return run_then_close(self._run(), self.close)
+
+    def close(self) -> None:
+        """Nothing stays open between reads."""
+
+    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.metrics.start()
+        started = time.perf_counter()
+        read = 0
+        by_file: dict[int, list[TensorRef]] = {}
+        for ref in self._refs:
+            by_file.setdefault(ref.file, []).append(ref)
+        for file, refs in by_file.items():
+            tensors = {
+                ref.entry.name: torch.empty(ref.entry.shape, dtype=ref.entry.dtype.torch_dtype)
+                for ref in refs
+                if ref.entry.nbytes
+            }
+            if tensors:
+                read += self._read(file, [ref for ref in refs if ref.entry.nbytes], tensors)
+            for ref in refs:
+                entry = ref.entry
+                tensor = tensors.pop(entry.name) if entry.nbytes else empty_tensor(entry)
+                self.metrics.tensor_delivered()
+                yield entry.name, tensor
+        self.metrics.add_engine_stats({"bytes_read": read, "read_seconds": time.perf_counter() - started})
+        self.metrics.finish(read)
+
+    def _read(self, file: int, refs: Sequence[TensorRef], tensors: dict[str, torch.Tensor]) -> int:
+        """Reads each of ``refs`` (in offset order) into its tensor of ``tensors``, neighbours
+        in one ``preadv``; the bytes read."""
+        path = self._checkpoint.headers[file].path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
+        try:
+            start = 0
+            while start < len(refs):
+                stop = start + 1
+                while stop < len(refs) and refs[stop].entry.begin == refs[stop - 1].entry.end:
+                    stop += 1
+                views = [_bytes(tensors[ref.entry.name]) for ref in refs[start:stop]]
+                _read_exactly(fd, views, refs[start:stop], path)
+                start = stop
+        finally:
+            os.close(fd)
+        return sum(ref.entry.nbytes for ref in refs)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    return tensor.view(-1).view(torch.uint8).numpy().data
+
+
+def _read_exactly(fd: int, views: list[memoryview], refs: Sequence[TensorRef], path: str) -> None:
+    """Fills ``views``, the bytes of ``refs`` back to back in the file; a short read or an I/O error
+    is a ``ReadError`` naming the file and the tensor it stopped in."""
+    position = refs[0].entry.begin
+    pending, index = list(views), 0
+    while pending:
+        try:
+            got = os.preadv(fd, pending[:_IOV_MAX], position)
+        except OSError as exc:
+            raise ReadError(
+                f"read failed: {exc.strerror}", path=path, tensor=refs[index].entry.name, offset=position
+            ) from None
+        if got <= 0:
+            expected = refs[-1].entry.end - refs[0].entry.begin
+            raise ReadError(
+                f"file ended early: {position - refs[0].entry.begin} of {expected} bytes read "
+                "(truncated or replaced while loading?)",
+                path=path,
+                tensor=refs[index].entry.name,
+                offset=position,
+            )
+        position += got
+        while pending and got >= len(pending[0]):
+            got -= len(pending.pop(0))
+            index += 1
+        if got:
+            pending[0] = pending[0][got:]
+
+
+_IOV_MAX = 1024  # buffers one preadv may take (IOV_MAX on Linux)
