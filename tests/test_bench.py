@@ -86,6 +86,11 @@ def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
             assert result["bytes"] == doc["checkpoint"]["tensor_bytes"]
             assert result["peak_rss_bytes"] > 0 and result["gbps"] > 0
         assert by_loader["streamer"]["ratio_vs_streamer"] == pytest.approx(1.0)
+        for result in section["results"]:  # the row's time over streamer's, as the verdicts read
+            expected = by_loader["streamer"]["gbps"] / result["gbps"]
+            assert result["ratio_vs_streamer"] == pytest.approx(expected)
+        # Each child's own high-water mark, not the bench's inherited one: loaders differ.
+        assert len({result["peak_rss_bytes"] for result in section["results"]}) > 1
         for run in (r for result in section["results"] for r in result["runs"]):
             assert run["minor_faults"] > 0 and run["cpu_seconds"] > 0  # loading fresh memory faults
             assert run["seconds"] == run["load_seconds"]  # the default clock

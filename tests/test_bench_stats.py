@@ -126,3 +126,4 @@ def test_runs_without_cpu_seconds_give_no_cpu_verdict() -> None:
     (compared,) = report.section("warm", configs, [])["comparisons"]
     assert compared["verdict"] == "ahead" and compared["cpu"]["ratio"] is None
     assert "CPU" not in report._comparison_line(compared)
+

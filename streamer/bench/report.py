@@ -1,7 +1,8 @@
 """Statistics over runs, the table people read, and the JSON document ``schema.json`` describes.
 
-"vs streamer" is a row's GB/s divided by streamer's at its default setting (streamer's best
-when the default did not run): above 1 the row is faster than streamer, below 1 slower.
+"vs streamer" is a row's median time divided by streamer's at its default setting (streamer's
+best when the default did not run): above 1 streamer is faster, below 1 the row is, the same
+direction as the paired verdicts (peer's time over streamer's, per round).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) 
     if reference is not None:
         for r in results:
             if r["gbps"]:
-                r["ratio_vs_streamer"] = r["gbps"] / reference["gbps"]
+                r["ratio_vs_streamer"] = reference["gbps"] / r["gbps"]
     best = _best_results(results)
     return {
         "cache": state,
@@ -270,6 +271,7 @@ def render(document: dict[str, Any]) -> str:
     if ref:
         out += [
             "",
-            f"vs streamer = row GB/s ÷ streamer {ref['setting']} GB/s (above 1: faster than streamer).",
+            f"vs streamer = row median s ÷ streamer {ref['setting']} median s (above 1: streamer faster, "
+            "as in the verdicts).",
         ]
     return "\n".join(out)
