@@ -1,0 +1,134 @@
+"""The README's Python examples, run as written on a generated checkpoint.
+
+Each ```python block is taken from README.md and executed with only its placeholders filled in:
+``/models/llama/`` becomes a generated Llama-shaped checkpoint (two shards and an index, plus a
+``model.safetensors`` of the same tensors, the current directory), ``http://minio:9000`` a moto
+server on 127.0.0.1 holding it under ``s3://bucket/llama/``, and ``model``, ``rank`` and ``k``
+are defined as a reader's program would have them. Which blocks run here, and why the others do
+not, is ``BLOCKS`` below: a block added to the README must be added there, or this test fails.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import s3_client, write_checkpoint
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+CHECKPOINT = "/models/llama/"
+
+# The first words of each block, and how it runs here.
+BLOCKS = {
+    "import streamer\nimport torch\n\ntensors = streamer.load(": "cpu",
+    'tensors = streamer.load("/models/llama/", "cuda:0")': "cuda",
+    "import torch.distributed as dist": "group: ranks in processes of their own (tests/test_group.py)",
+    "from streamer import load_file, safe_open": "cpu, with cuda:0 read as cpu where there is no GPU",
+    'LLM(model="/models/llama"': "vLLM: the plugin's tests on real vLLM (integrations/vllm/tests)",
+    'tensors = streamer.load("s3://bucket/llama/model.safetensors")': "s3",
+}
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up_proj = torch.nn.Linear(16, 32, bias=False)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _Mlp()
+
+
+class _Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(64, 16)
+        self.layers = torch.nn.ModuleList([_Layer()])
+
+
+class _Llama(torch.nn.Module):
+    """The tensor names the README's examples use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Inner()
+        self.lm_head = torch.nn.Linear(16, 64, bias=False)
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def _kind(block: str) -> str:
+    kinds = [kind for start, kind in BLOCKS.items() if block.startswith(start)]
+    assert len(kinds) == 1, f"a README block this test does not know; add it to BLOCKS:\n{block}"
+    return kinds[0]
+
+
+@pytest.fixture
+def llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[str, torch.Tensor]]:
+    tensors = {name: t.detach().clone() for name, t in _Llama().state_dict().items()}
+    directory = write_checkpoint(tmp_path / "llama", tensors, shards=2).directory
+    safetensors.torch.save_file(tensors, str(tmp_path / "model.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    return directory, tensors
+
+
+def _namespace() -> dict[str, Any]:
+    return {"model": _Llama(), "rank": 0, "k": 8}
+
+
+def test_every_block_is_known_and_the_local_ones_run_as_written(
+    llama: tuple[Path, dict[str, torch.Tensor]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory, tensors = llama
+    ran = 0
+    for block in _blocks():
+        kind = _kind(block)
+        if kind.startswith("cuda") and not torch.cuda.is_available():
+            continue
+        if not kind.startswith("cpu"):
+            continue
+        code = block.replace(CHECKPOINT, f"{directory}/")
+        if "cuda:0 read as cpu" in kind and not torch.cuda.is_available():
+            code = code.replace('"cuda:0"', '"cpu"')
+        namespace = _namespace()
+        exec(compile(code, "README.md", "exec"), namespace)
+        ran += 1
+        if "params" in namespace:  # the streaming example copied every tensor into the model
+            for name, parameter in namespace["params"].items():
+                assert torch.equal(parameter.detach(), tensors[name]), name
+    assert ran == 2
+    assert "[32, 16] F32" in capsys.readouterr().out  # the safe_open example's printed shape
+
+
+def test_the_s3_block_runs_against_a_local_server(
+    llama: tuple[Path, dict[str, torch.Tensor]], s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("aiobotocore")
+    directory, tensors = llama
+    client = s3_client(s3_server, "AKIDREADME", "readme/secret")
+    client.create_bucket(Bucket="bucket")
+    for path in [*directory.iterdir(), directory.parent / "model.safetensors"]:
+        client.upload_file(str(path), "bucket", f"llama/{path.name}")
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "AKIDREADME",
+        "AWS_SECRET_ACCESS_KEY": "readme/secret",
+        "AWS_ENDPOINT_URL": s3_server,
+        "AWS_REGION": "us-east-1",
+        "STREAMER_S3_ADDRESSING_STYLE": "path",
+    }.items():
+        monkeypatch.setenv(name, value)
+    (block,) = [b for b in _blocks() if _kind(b) == "s3"]
+    namespace: dict[str, Any] = {"streamer": __import__("streamer")}
+    exec(compile(block.replace("http://minio:9000", s3_server), "README.md", "exec"), namespace)
+    loaded = namespace["tensors"]
+    assert set(loaded) == set(tensors)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, tensors[name]), name
