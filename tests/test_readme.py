@@ -25,7 +25,7 @@ CHECKPOINT = "/models/llama/"
 # The first words of each block, and how it runs here.
 BLOCKS = {
     "import streamer\nimport torch\n\ntensors = streamer.load(": "cpu",
-    'tensors = streamer.load("/models/llama/", "cuda:0")': "cuda",
+    'tensors = streamer.load("/models/llama/", "cuda:0")': "cuda",  # tests/test_gpu.py on a GPU host
     "import torch.distributed as dist": "group: ranks in processes of their own (tests/test_group.py)",
     "from streamer import load_file, safe_open": "cpu, with cuda:0 read as cpu where there is no GPU",
     'LLM(model="/models/llama"': "vLLM: the plugin's tests on real vLLM (integrations/vllm/tests)",
