@@ -10,10 +10,9 @@ import threading
 import weakref
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from streamer.backends import open_storage
 from streamer.backends.base import ReadCost, StaleOpen, Storage
@@ -26,7 +25,6 @@ from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.engine import native
 from streamer.errors import ConfigError, FileClosedError, KeyMismatchError, StreamerError
 from streamer.format.safetensors import TensorEntry
-from streamer.group.exchange import GroupExchange
 from streamer.memory import HeldTensors, over_limit_message, streaming_budget, warn_from_caller
 from streamer.progress import ByteProgress
 from streamer.readahead import MAX_WINDOW_BYTES, KeyWalk
@@ -37,6 +35,11 @@ from streamer.run.packed import PackedSink
 from streamer.run.staged import StagedSink, Staging
 from streamer.slicing import Packing
 from streamer.sources import SourceArg, as_source
+
+if TYPE_CHECKING:  # a group load imports them (torch.distributed alone costs ~40 ms)
+    import torch.distributed as dist
+
+    from streamer.group.exchange import GroupExchange
 
 Order = Literal["completion", "checkpoint"]
 
@@ -258,6 +261,8 @@ class Streamer:
         self, refs: Sequence[TensorRef], group: dist.ProcessGroup, *, ordered: bool, keep_all: bool
     ) -> GroupExchange:
         """A group run of ``refs`` into new tensors; the handle's current read from now on."""
+        from streamer.group.exchange import GroupExchange
+
         exchange = GroupExchange(
             self.checkpoint,
             self._storage,
@@ -643,6 +648,8 @@ def _exchange_into(
             path = checkpoint.headers[checkpoint.tensors[name].file].path
             raise ConfigError("a group load fills contiguous tensors only", path=path, tensor=name)
     refs = [checkpoint.tensors[name] for name in names]
+    from streamer.group.exchange import GroupExchange
+
     exchange = GroupExchange(
         checkpoint, storage, refs, group, config, lambda p: dest[names[p]], ordered=False
     )

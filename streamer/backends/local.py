@@ -6,7 +6,6 @@ bytes the run reads (auto mode samples residency) and buffered when it does.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -143,6 +142,8 @@ def _boot_id() -> str:
 
 
 def _identify(path: str, boot: str, full: bool) -> FileIdentity:
+    import hashlib  # OpenSSL's ~60 ms import, for group loads only
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:

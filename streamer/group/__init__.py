@@ -2,8 +2,9 @@
 
 Contract (every rank of the group must keep it, or the others raise after ``group_timeout``):
 
-- every rank opens the same checkpoint (same tensors, same byte layout; the files may be
-  separate copies) and makes the same group calls in the same order: ``load``, ``load_into``
+- every rank opens the same checkpoint (the files may be separate copies; checked before a byte
+  moves, ``identity.py``: each file's size, whole header and version) and makes the same group
+  calls in the same order: ``load``, ``load_into``
   and iterating a ``Streamer`` opened with ``group=``. ``get_tensor`` and ``read`` never use
   the group (each rank reads for itself);
 - every rank asks for the same tensors (checked: a mismatch is a ``ConfigError`` on every rank);

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -101,7 +100,7 @@ class SharedOutboxes:
         """Maps every rank's outbox on every rank, or ``None`` on every rank if any cannot."""
         _, halves = outbox_layout(plan)
         sizes = [max(DIRECT_IO_ALIGNMENT, 2 * half) for half in halves]
-        token = secrets.randbits(62)
+        token = _token()
         own = Path(directory) / _file_name(os.getpid(), token)
         created = _create(own, sizes[rank], [(0, sizes[rank])])
         doing = "setting up the shared-memory exchange"
@@ -203,7 +202,7 @@ class SharedRegion:
     ) -> SharedRegion | None:
         """Rank 0 creates the file; every rank maps it, or ``None`` on every rank if one cannot.
         Each rank reserves the pages of its share as it reads (``reserve``)."""
-        token = secrets.randbits(62)
+        token = _token()
         path = Path(directory) / _file_name(os.getpid(), token)
         created = rank == 0 and _create(path, layout.size, ())
         doing = "setting up the shared-memory exchange"
@@ -282,6 +281,12 @@ def _populate(mapped: mmap.mmap, start: int, length: int) -> None:
     first = start - start % mmap.PAGESIZE
     with contextlib.suppress(OSError, ValueError):
         mapped.madvise(_MADV_POPULATE_READ, first, start + length - first)
+
+
+def _token() -> int:
+    """62 random bits: a file name no other process can guess (``secrets`` without its import of
+    ``hmac``, which loads OpenSSL)."""
+    return int.from_bytes(os.urandom(8), "little") >> 2
 
 
 def _file_name(pid: int, token: int) -> str:
