@@ -6,7 +6,8 @@ Adapters, tokenizer-sized side files and many-shard checkpoints are made of such
 one after another by a process that is already running, so what counts is the call's own cost
 with the file in the page cache. For each size a file of 16 float32 tensors is written to
 ``/var/tmp``, read once to warm it, and each round calls, in a rotating order,
-``streamer.load_file`` and ``safetensors.torch.load_file`` followed by a ``clone()`` of every
+``streamer.load_file``, the same with every run through the engine (``inline_max_bytes=0``),
+and ``safetensors.torch.load_file`` followed by a ``clone()`` of every
 tensor (safetensors maps the file: its tensors are views of the page cache, read when touched;
 the copy is what makes them process memory, as streamer's are). Reported: each one's median
 milliseconds and the per-round ratio (safetensors + copy over streamer) with its bootstrap
@@ -36,12 +37,18 @@ def with_streamer(path: Path) -> dict[str, torch.Tensor]:
     return streamer.load_file(path)
 
 
+def with_streamer_engine(path: Path) -> dict[str, torch.Tensor]:
+    """Every run through the engine (``inline_max_bytes=0``): what the inline path saves."""
+    return streamer.load_file(path, config=streamer.StreamerConfig(inline_max_bytes=0))
+
+
 def with_safetensors_and_copy(path: Path) -> dict[str, torch.Tensor]:
     return {name: tensor.clone() for name, tensor in safetensors.torch.load_file(path).items()}
 
 
 LOADERS: dict[str, Callable[[Path], dict[str, torch.Tensor]]] = {
     "streamer": with_streamer,
+    "streamer engine": with_streamer_engine,
     "safetensors + copy": with_safetensors_and_copy,
 }
 
@@ -68,8 +75,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="1.5MiB,16MiB,40MiB", help="file sizes, comma-separated")
     parser.add_argument("--repeat", type=int, default=30)
     args = parser.parse_args()
-    print(f"warm, one process, {args.repeat} rounds; ratio = safetensors + copy / streamer, per round")
-    print(f"{'size':>8} {'streamer':>10} {'st + copy':>10}  ratio [95% interval]")
+    print(
+        f"warm, one process, {args.repeat} rounds; ratios per round, other / streamer (>1: streamer faster)"
+    )
+    columns = f"{'size':>8} {'streamer':>10} {'engine':>10} {'st + copy':>10}"
+    print(f"{columns}  st + copy / streamer   engine / streamer")
     with tempfile.TemporaryDirectory(prefix="small-files-", dir="/var/tmp") as directory:
         for text in args.sizes.split(","):
             size = _size(text)
@@ -79,14 +89,21 @@ def main() -> None:
             tensors = {f"t{i}": torch.randn(elements, generator=g) for i in range(TENSORS)}
             safetensors.torch.save_file(tensors, str(path))
             seconds = run(path, args.repeat)
-            ours, theirs = seconds["streamer"], seconds["safetensors + copy"]
-            paired = stats.compare(ours, theirs)
-            interval = f"[{paired.low:.2f}, {paired.high:.2f}]" if paired.low is not None else ""
-            print(
-                f"{text:>8} {1e3 * statistics.median(ours.values()):8.2f}ms "
-                f"{1e3 * statistics.median(theirs.values()):8.2f}ms  {paired.ratio:.2f}x {interval} "
-                f"{paired.verdict}"
+            ours = seconds["streamer"]
+            medians = " ".join(
+                f"{1e3 * statistics.median(seconds[name].values()):8.2f}ms"
+                for name in ("streamer", "streamer engine", "safetensors + copy")
             )
+            verdicts = "  ".join(
+                _verdict(ours, seconds[name]) for name in ("safetensors + copy", "streamer engine")
+            )
+            print(f"{text:>8} {medians}  {verdicts}")
+
+
+def _verdict(ours: dict[int, float], theirs: dict[int, float]) -> str:
+    paired = stats.compare(ours, theirs)
+    interval = f"[{paired.low:.2f}, {paired.high:.2f}]" if paired.low is not None else ""
+    return f"{paired.ratio:.2f}x {interval} {paired.verdict}"
 
 
 def _size(text: str) -> int:

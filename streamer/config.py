@@ -217,9 +217,10 @@ class StreamerConfig:
         1 GiB checkpoint 1.6x faster (README). Used for local files; where the kernel or a seccomp
         filter refuses userfaultfd, loads go on without it (``metrics["page_fill"]`` says why).
     inline_max_bytes: a run of local files into CPU memory of at most this many bytes (default
-        16 MiB, ``STREAMER_INLINE_MAX_BYTES``) is read on the caller's thread, each tensor into
-        memory of its own, without the engine's reader threads: a 1.5 MiB file loads in about a
-        fifth of the time (``streamer.run.inline``). 0 reads every run through the engine.
+        8 MiB, ``STREAMER_INLINE_MAX_BYTES``) is read on the caller's thread, each tensor into
+        memory of its own, without the engine's reader threads (``streamer.run.inline``): warm,
+        2.8x faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, 0.84x at 16 MiB
+        (``benchmarks/small_files.py``). 0 reads every run through the engine.
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.
@@ -244,7 +245,7 @@ class StreamerConfig:
     hugepages: bool = setting(flag(), hugepages_by_default, env="STREAMER_HUGEPAGES")
     page_fill: bool | None = setting(flag(optional=True), env="STREAMER_PAGE_FILL")
     s3: S3Config = field(default_factory=S3Config)
-    inline_max_bytes: int = setting(size(0), 16 << 20, env="STREAMER_INLINE_MAX_BYTES")
+    inline_max_bytes: int = setting(size(0), 8 << 20, env="STREAMER_INLINE_MAX_BYTES")
     group_timeout: float = setting(seconds(), 30.0, env="STREAMER_GROUP_TIMEOUT")
     group_verify: GroupVerify = setting(choice(GROUP_VERIFY), "sampled", env="STREAMER_GROUP_VERIFY")
     group_shm_dir: str | None = setting(_shm_dir, "/dev/shm", env="STREAMER_GROUP_SHM_DIR")

@@ -127,8 +127,24 @@ def test_the_engine_reads_runs_that_are_larger_limited_or_direct(tmp_path: Path)
 
 
 def test_inline_max_bytes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert StreamerConfig().inline_max_bytes == 16 << 20
+    assert StreamerConfig().inline_max_bytes == 8 << 20
     monkeypatch.setenv("STREAMER_INLINE_MAX_BYTES", "0")
     assert StreamerConfig().inline_max_bytes == 0
     monkeypatch.setenv("STREAMER_INLINE_MAX_BYTES", "4MiB")
     assert StreamerConfig().inline_max_bytes == 4 << 20
+
+
+def test_a_run_read_in_two_halves_is_bit_exact_and_a_failure_in_either_half_is_raised(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(6)
+    tensors = {f"w{i}": random_tensor((256 << 10,), torch.float32, g) for i in range(6)}  # 6 MiB
+    path = write_checkpoint(tmp_path, tensors, index=False).shards[0]
+    before = thread_count()
+    assert_same_dict(streamer.load_file(path), tensors)
+    assert thread_count() == before  # the helper was joined
+    size = path.stat().st_size
+    with streamer.open(path) as handle:
+        os.truncate(path, size - (1 << 20))  # the second half's last tensor is cut
+        with pytest.raises(ReadError, match="file ended early") as info:
+            list(handle)
+    assert info.value.tensor == "w5" and info.value.path == str(path)
+    assert thread_count() == before

@@ -1,17 +1,20 @@
-"""A small run of local files, read on the caller's thread: no engine, no reader threads, no plan.
+"""A small run of local files, read on the caller's thread: no engine and no plan.
 
 Adapters, tokenizer-sized side files and the many small shards of some checkpoints cost a few
 milliseconds each through the engine (starting and joining its readers, fresh mapped buffers
 faulted in page by page), where the bytes themselves take a fraction of one. A run of at most
-``StreamerConfig.inline_max_bytes`` from local files into CPU memory is therefore read here instead: each
-tensor gets its own memory from torch's allocator (recycled by the C library, as a copy's would
-be, so no page is faulted in twice), and neighbouring tensors are read with one ``preadv``.
+``StreamerConfig.inline_max_bytes`` from local files into CPU memory is therefore read here:
+each tensor gets its own memory from torch's allocator (recycled by the C library, as a copy's
+would be), neighbouring tensors are read with one ``preadv``, and a run of 4 MiB or more in two
+halves at once (one helper thread). Warm, in one process (``benchmarks/small_files.py``): 2.8x
+faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, 0.84x at 16 MiB, hence the 8 MiB default.
 A short read is the same typed error the engine gives; the file and tensor are named.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 
@@ -21,8 +24,11 @@ from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import StreamerConfig
 from streamer.destinations.cpu import empty_tensor
 from streamer.errors import ReadError, SourceError
+from streamer.machine import usable_cores
 from streamer.memory import streaming_budget
 from streamer.selection import Selection, run_then_close
+
+PARALLEL_MIN_BYTES = 4 << 20  # from here a run is read in two halves at once (two threads)
 
 
 def fits_inline(refs: Sequence[TensorRef], config: StreamerConfig) -> bool:
@@ -60,46 +66,86 @@ class InlineRun:
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         self.metrics.start()
         started = time.perf_counter()
-        read = 0
-        by_file: dict[int, list[TensorRef]] = {}
+        tensors = {
+            ref.entry.name: torch.empty(ref.entry.shape, dtype=ref.entry.dtype.torch_dtype)
+            for ref in self._refs
+            if ref.entry.nbytes
+        }
+        read = self._read_all(tensors)
         for ref in self._refs:
-            by_file.setdefault(ref.file, []).append(ref)
-        for file, refs in by_file.items():
-            tensors = {
-                ref.entry.name: torch.empty(ref.entry.shape, dtype=ref.entry.dtype.torch_dtype)
-                for ref in refs
-                if ref.entry.nbytes
-            }
-            if tensors:
-                read += self._read(file, [ref for ref in refs if ref.entry.nbytes], tensors)
-            for ref in refs:
-                entry = ref.entry
-                tensor = tensors.pop(entry.name) if entry.nbytes else empty_tensor(entry)
-                self.metrics.tensor_delivered()
-                yield entry.name, tensor
+            entry = ref.entry
+            tensor = tensors.pop(entry.name) if entry.nbytes else empty_tensor(entry)
+            self.metrics.tensor_delivered()
+            yield entry.name, tensor
         self.metrics.add_engine_stats({"bytes_read": read, "read_seconds": time.perf_counter() - started})
         self.metrics.finish(read)
 
-    def _read(self, file: int, refs: Sequence[TensorRef], tensors: dict[str, torch.Tensor]) -> int:
-        """Reads each of ``refs`` (in offset order) into its tensor of ``tensors``, neighbours
-        in one ``preadv``; the bytes read."""
-        path = self._checkpoint.headers[file].path
+    def _read_all(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Reads every tensor with bytes into its tensor of ``tensors``: neighbours in one ``preadv``,
+        and a run of ``PARALLEL_MIN_BYTES`` or more in two halves at once (a copy out of the page
+        cache is CPU work: torch's own copies use every core); the bytes read."""
+        wanted = [ref for ref in self._refs if ref.entry.nbytes]
+        paths = self._checkpoint.headers
+        fds: dict[int, int] = {}
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
-        try:
-            start = 0
-            while start < len(refs):
-                stop = start + 1
-                while stop < len(refs) and refs[stop].entry.begin == refs[stop - 1].entry.end:
-                    stop += 1
-                views = [_bytes(tensors[ref.entry.name]) for ref in refs[start:stop]]
-                _read_exactly(fd, views, refs[start:stop], path)
-                start = stop
+            for file in dict.fromkeys(ref.file for ref in wanted):
+                try:
+                    fds[file] = os.open(paths[file].path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise SourceError(f"cannot open: {exc.strerror}", path=paths[file].path) from None
+            total = sum(ref.entry.nbytes for ref in wanted)
+            halves = (
+                _halves(wanted, total) if total >= PARALLEL_MIN_BYTES and usable_cores() > 1 else [wanted]
+            )
+            failures: list[BaseException] = []
+
+            def read(refs: Sequence[TensorRef]) -> None:
+                try:
+                    for stretch in _stretches(refs):
+                        path = paths[stretch[0].file].path
+                        views = [_bytes(tensors[ref.entry.name]) for ref in stretch]
+                        _read_exactly(fds[stretch[0].file], views, stretch, path)
+                except BaseException as error:  # the first failure is the run's, whichever half
+                    failures.append(error)
+
+            helper = None
+            if len(halves) == 2:
+                helper = threading.Thread(target=read, args=(halves[1],), name="streamer-inline")
+                helper.start()
+            read(halves[0])
+            if helper is not None:
+                helper.join()
+            if failures:
+                raise failures[0]
         finally:
-            os.close(fd)
-        return sum(ref.entry.nbytes for ref in refs)
+            for fd in fds.values():
+                os.close(fd)
+        return total
+
+
+def _halves(refs: Sequence[TensorRef], total: int) -> list[Sequence[TensorRef]]:
+    """``refs`` cut at the tensor nearest half of ``total`` bytes."""
+    seen = 0
+    for cut, ref in enumerate(refs):
+        if seen + ref.entry.nbytes / 2 >= total / 2:
+            return [refs[:cut], refs[cut:]] if 0 < cut < len(refs) else [refs]
+        seen += ref.entry.nbytes
+    return [refs]
+
+
+def _stretches(refs: Sequence[TensorRef]) -> Iterator[Sequence[TensorRef]]:
+    """``refs`` (in file and offset order) in runs that lie back to back in one file."""
+    start = 0
+    while start < len(refs):
+        stop = start + 1
+        while (
+            stop < len(refs)
+            and refs[stop].file == refs[start].file
+            and refs[stop].entry.begin == refs[stop - 1].entry.end
+        ):
+            stop += 1
+        yield refs[start:stop]
+        start = stop
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
