@@ -417,9 +417,9 @@ class Streamer:
         """
         engine = copy_engine.staged_engine(self.device)
         if engine is None:
+            if self._inline_reads and fits_inline(refs, self.config, keep_all=keep_all):
+                return InlineRun(self._checkpoint, refs, self.config, keep_all=keep_all)
             config = dataclasses.replace(self.config, memory_limit=UNLIMITED) if keep_all else self.config
-            if self._inline_reads and fits_inline(refs, config):
-                return InlineRun(self._checkpoint, refs, config)
             cpu = functools.partial(
                 CpuSink,
                 config,

@@ -31,16 +31,12 @@ from streamer.selection import Selection, run_then_close
 PARALLEL_MIN_BYTES = 4 << 20  # from here a run is read in two halves at once (two threads)
 
 
-def fits_inline(refs: Sequence[TensorRef], config: StreamerConfig) -> bool:
+def fits_inline(refs: Sequence[TensorRef], config: StreamerConfig, *, keep_all: bool) -> bool:
     """Whether a run of ``refs`` under ``config`` is small enough to read inline: at most
-    ``inline_max_bytes``, and within an explicit ``memory_limit``."""
-    spans: dict[int, tuple[int, int]] = {}
-    for ref in refs:
-        if ref.entry.nbytes:
-            begin, end = spans.get(ref.file, (ref.entry.begin, ref.entry.end))
-            spans[ref.file] = (min(begin, ref.entry.begin), max(end, ref.entry.end))
-    total = sum(end - begin for begin, end in spans.values())
-    limit = config.explicit_memory_limit
+    ``inline_max_bytes`` (it reads the tensors' bytes, nothing between them), and within an
+    explicit ``memory_limit`` unless the caller keeps everything (``keep_all``)."""
+    total = sum(ref.entry.nbytes for ref in refs)
+    limit = None if keep_all else config.explicit_memory_limit
     return total <= config.inline_max_bytes and (limit is None or total <= limit)
 
 
@@ -48,13 +44,18 @@ class InlineRun:
     """Reads ``refs`` of ``checkpoint``'s local files once, in the caller's thread; a ``Run`` for
     the handle (``results``, ``metrics``, ``close``)."""
 
-    def __init__(self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig, *, keep_all: bool
+    ) -> None:
         self._checkpoint = checkpoint
         selection = Selection.of(refs)
         self._refs = selection.refs
         self.metrics = selection.new_metrics()
-        budget = streaming_budget(config, [ref.entry.nbytes for ref in self._refs])
-        self.metrics.memory_limit, self.metrics.memory_limit_source = budget.limit, budget.source
+        if keep_all:  # the caller keeps every tensor: no streaming budget applies (as for a run)
+            self.metrics.memory_limit, self.metrics.memory_limit_source = None, "unlimited"
+        else:
+            budget = streaming_budget(config, [ref.entry.nbytes for ref in self._refs])
+            self.metrics.memory_limit, self.metrics.memory_limit_source = budget.limit, budget.source
 
     def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         """Yields ``(name, tensor)`` in file and offset order (also the completion order)."""
