@@ -62,8 +62,10 @@ def test_a_safetensors_file_with_a_broken_header_is_still_a_plain_header_error(t
 def test_missing_paths_say_file_or_directory(tmp_path: Path) -> None:
     with pytest.raises(MissingFileError, match="no such directory"):
         streamer.load(f"{tmp_path}/checkpoint/")
-    with pytest.raises(MissingFileError, match="no such file or directory"):
+    with pytest.raises(MissingFileError, match="no such directory"):
         streamer.load(tmp_path / "checkpoint")
+    with pytest.raises(MissingFileError, match="no such file or directory"):
+        streamer.load(tmp_path / "weights.bin")
     with pytest.raises(MissingFileError, match=r"no such file \("):
         streamer.load(tmp_path / "model.safetensors")
     write_checkpoint(tmp_path / "real", {"a": torch.ones(2)}, index=False)

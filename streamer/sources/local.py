@@ -98,13 +98,13 @@ def uri_scheme(text: str) -> str | None:
 def _existing_file(path: Path, *, directory: bool) -> str:
     """``path``, a regular file; ``directory``: the user named a directory (a trailing slash)."""
     if not path.exists():
-        missing = (
-            "no such directory"
-            if directory
-            else "no such file"
-            if path.suffix
-            else "no such file or directory"
-        )
+        # A checkpoint's files have a suffix; a name without one (or with a slash) is a directory.
+        if directory or not path.suffix:
+            missing = "no such directory"
+        elif path.suffix in (".safetensors", ".json"):
+            missing = "no such file"
+        else:
+            missing = "no such file or directory"
         raise MissingFileError(missing, path=str(path))
     if not path.is_file():
         raise SourceError("not a regular file", path=str(path))
