@@ -13,13 +13,21 @@ import numpy as np
 import pytest
 
 from streamer.config import DIRECT_IO_ALIGNMENT
-from streamer.engine import native
+from streamer.engine import _ffi, native
+from streamer.engine.declarations import header_path, parse_header
 
-HEADER = native._header_path()
+HEADER = header_path()
 STRUCTS = {
     "se_unit": ["file", "begin", "end", "need"],
     "se_block": [
-        "file", "first_unit", "last_unit", "acc_begin", "acc_end", "read_offset", "read_length", "dst"
+        "file",
+        "first_unit",
+        "last_unit",
+        "acc_begin",
+        "acc_end",
+        "read_offset",
+        "read_length",
+        "dst",
     ],
     "se_error_info": ["code", "sys_errno", "file", "offset", "expected", "got"],
     "se_stats": ["bytes_read", "blocks_done", "read_seconds", "idle_seconds"],
@@ -85,13 +93,64 @@ def test_struct_layout_matches_the_c_compiler(tmp_path: Path) -> None:
 
 
 def test_a_library_of_another_abi_version_is_refused(tmp_path: Path) -> None:
-    library = _shared_library(
-        tmp_path, f"int se_abi_version(void) {{ return {native.ABI_VERSION + 1}; }}\n"
-    )
+    library = _shared_library(tmp_path, f"int se_abi_version(void) {{ return {native.ABI_VERSION + 1}; }}\n")
     result = _load_with(library)
     assert result.returncode != 0
     assert "ImportError" in result.stderr and "stale build" in result.stderr
     assert f"ABI version {native.ABI_VERSION + 1}" in result.stderr
+
+
+def test_the_emitted_binding_is_the_headers() -> None:
+    """``_ffi.py`` (cffi's parse of the header, kept as Python) declares what a fresh parse of the
+    installed header declares: every type and every function, whatever cffi version wrote it."""
+    cffi = pytest.importorskip("cffi")
+    declarations, _ = parse_header(HEADER.read_text())
+    assert declarations == _ffi.DECLARATIONS
+    fresh = cffi.FFI()
+    fresh.cdef(declarations)
+    assert _ffi.ffi.list_types() == fresh.list_types()
+    for struct, fields in STRUCTS.items():
+        assert _ffi.ffi.sizeof(struct) == fresh.sizeof(struct), struct
+        for field in fields:
+            assert _ffi.ffi.offsetof(struct, field) == fresh.offsetof(struct, field), (struct, field)
+    library = native._lib()
+    fresh_library = fresh.dlopen(
+        str(Path(native.__file__).resolve().parent.parent / "_native" / native._LIBRARY_NAME)
+    )
+    names = sorted(name for name in dir(fresh_library) if name.startswith("se_"))
+    assert names == sorted(name for name in dir(library) if name.startswith("se_"))
+    for name in names:  # an opaque struct is spelled with or without "struct": the same type
+        emitted = str(_ffi.ffi.typeof(getattr(library, name))).replace("struct ", "")
+        parsed = str(fresh.typeof(getattr(fresh_library, name))).replace("struct ", "")
+        assert emitted == parsed, name
+
+
+def test_the_committed_binding_is_what_the_emitter_writes() -> None:
+    """``scripts/emit_ffi.py --check`` from a checkout (the wheel has no scripts/)."""
+    script = Path(__file__).resolve().parent.parent / "scripts" / "emit_ffi.py"
+    if not script.is_file():
+        pytest.skip("not a checkout")
+    result = subprocess.run(
+        [sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_a_header_the_binding_was_not_made_from_is_refused(tmp_path: Path) -> None:
+    """An installed header with one declaration more than ``_ffi.py``: the import says to re-emit."""
+    installed = Path(native.__file__).resolve().parent.parent
+    copy = tmp_path / "streamer"
+    shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    header = copy / "_native" / "streamer_engine.h"
+    header.write_text(
+        header.read_text().replace("#ifdef __cplusplus", "int32_t se_new_thing(void);\n#ifdef __cplusplus", 1)
+    )
+    code = "import streamer.engine.native"
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd="/",
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0 and "scripts/emit_ffi.py" in result.stderr, result.stderr
 
 
 def test_a_library_from_before_abi_versions_is_refused(tmp_path: Path) -> None:
@@ -105,7 +164,7 @@ def test_a_library_from_before_abi_versions_is_refused(tmp_path: Path) -> None:
     "line", ["#define SE_X (-12)   /* note */", "#define SE_X -12", "#define SE_X ( -12 )"]
 )
 def test_header_constants_parse(line: str) -> None:
-    declarations, constants = native._parse_header(line + "\nint32_t se_f(void);\n")
+    declarations, constants = parse_header(line + "\nint32_t se_f(void);\n")
     assert constants == {"SE_X": -12}
     assert declarations.strip() == "int32_t se_f(void);"
 
@@ -113,7 +172,7 @@ def test_header_constants_parse(line: str) -> None:
 @pytest.mark.parametrize("line", ["#define SE_X 0x10", "#define SE_X (1 << 3)", "#define SE_X"])
 def test_a_header_constant_the_binding_cannot_read_is_an_error(line: str) -> None:
     with pytest.raises(ImportError, match="cannot read the constant"):
-        native._parse_header(line + "\n")
+        parse_header(line + "\n")
 
 
 def test_a_block_array_is_an_se_block_array() -> None:

@@ -1,68 +1,41 @@
 """cffi binding of the C engine (``native/``), loaded in ABI mode with ``dlopen``.
 
 The C library has no Python dependency; this module is the only place that
-knows its symbols, and it takes them from the C header itself (installed beside
-the library), so the two cannot drift apart; a library built from another
-version of the header is refused when it is loaded. cffi releases the GIL
-around every call, so a blocking ``wait`` lets other Python threads run.
+knows its symbols. They come from the C header (installed beside the library):
+parsed once by cffi into ``_ffi.py`` (``scripts/emit_ffi.py``, so no import
+parses C), which is refused if the header now says anything else; a library
+built from another version of the header is refused when it is loaded. cffi
+releases the GIL around every call, so a blocking ``wait`` lets other Python
+threads run.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import cffi
+from streamer.engine import _ffi
 
 # Re-exported: the runs build their work items as native.Block / native.Unit.
 from streamer.engine.blocks import BLOCK_DTYPE
 from streamer.engine.blocks import Block as Block
 from streamer.engine.blocks import BlockArray as BlockArray
 from streamer.engine.blocks import Unit as Unit
+from streamer.engine.declarations import HEADER_NAME, header_path, parse_header
 
-_HEADER_NAME = "streamer_engine.h"
 _LIBRARY_NAME = "libstreamer_engine.so"
 _ALL = 2**64 - 1  # a length meaning "to the end of the file"
-_DEFINE = re.compile(r"^#define\s+(SE_\w+)\s+\(?\s*(-?\d+)\s*\)?\s*$")
 
-
-def _header_path() -> Path:
-    """The header installed beside the library, or the checkout's when running from source."""
-    installed = Path(__file__).resolve().parent.parent / "_native" / _HEADER_NAME
-    if installed.is_file():
-        return installed
-    return Path(__file__).resolve().parents[2] / "native" / "include" / _HEADER_NAME
-
-
-def _parse_header(text: str) -> tuple[str, dict[str, int]]:
-    """The header's declarations for ``cffi.cdef`` and its ``SE_*`` integer constants.
-
-    cffi parses plain C declarations but no preprocessor lines, so those are taken out here
-    (comments first, then the C++ guard whole, the include guard, includes) and the
-    ``#define SE_*`` constants are read into Python ints instead.
-    """
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.DOTALL)
-    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.DOTALL)
-    constants: dict[str, int] = {}
-    declarations = []
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            declarations.append(line)
-            continue
-        match = _DEFINE.match(line)
-        if match is not None:
-            constants[match.group(1)] = int(match.group(2))
-        elif line.startswith("#define SE_"):
-            raise ImportError(f"{_HEADER_NAME}: cannot read the constant {line!r} (decimal integers only)")
-    return "\n".join(declarations), constants
-
-
-_DECLARATIONS, _CONSTANTS = _parse_header(_header_path().read_text())
+_DECLARATIONS, _CONSTANTS = parse_header(header_path().read_text())
+if _DECLARATIONS != _ffi.DECLARATIONS:
+    raise ImportError(
+        f"{HEADER_NAME} differs from the declarations streamer/engine/_ffi.py was made from: "
+        "run `python scripts/emit_ffi.py` and rebuild"
+    )
 
 ABI_VERSION = _CONSTANTS["SE_ABI_VERSION"]
 DIRECT_ALIGNMENT = _CONSTANTS["SE_DIRECT_ALIGNMENT"]
@@ -78,13 +51,12 @@ ERR_EXTERNAL = _CONSTANTS["SE_ERR_EXTERNAL"]
 ERR_FILL = _CONSTANTS["SE_ERR_FILL"]
 BLOCK_FILL = _CONSTANTS["SE_BLOCK_FILL"]
 
-ffi = cffi.FFI()
-ffi.cdef(_DECLARATIONS)
+ffi = _ffi.ffi
 _BLOCK_FIELDS: Mapping[str, tuple[Any, ...]] = BLOCK_DTYPE.fields or {}
 if ffi.sizeof("se_block") != BLOCK_DTYPE.itemsize or any(
     ffi.offsetof("se_block", name) != _BLOCK_FIELDS[name][1] for name in Block._fields
 ):
-    raise ImportError(f"{_HEADER_NAME}: se_block's layout differs from streamer.engine.blocks.BLOCK_DTYPE")
+    raise ImportError(f"{HEADER_NAME}: se_block's layout differs from streamer.engine.blocks.BLOCK_DTYPE")
 
 
 @functools.cache
@@ -100,7 +72,7 @@ def _lib() -> Any:
     lib = ffi.dlopen(str(path))
     try:
         built = lib.se_abi_version()
-    except AttributeError:  # built before the ABI had a version
+    except (AttributeError, ffi.error):  # built before the ABI had a version (a missing symbol)
         built = None
     if built != ABI_VERSION:
         raise ImportError(
