@@ -50,7 +50,8 @@ def emit(header: Path, target: Path) -> None:
     target.write_text(
         "# Written by scripts/emit_ffi.py from native/include/streamer_engine.h: do not edit.\n"
         + text
-        + f"\n# The declarations it was made from, and the cffi that wrote it.\nDECLARATIONS = {declarations!r}\n"
+        + "\n# The declarations it was made from, and the cffi that wrote it.\n"
+        + f"DECLARATIONS = {declarations!r}\n"
         + f"CFFI_VERSION = {cffi.__version__!r}\n"
     )
 
