@@ -13,7 +13,7 @@ How pieces move is agreed by all ranks before the first read (``_connect``):
 
 - **shared copy**: ranks of a CPU group on one host whose load may hold every wanted byte at once
   (``load``, ``group_read``, or a checkpoint within the memory limit) read their shares straight
-  into one tmpfs copy of the checkpoint (``shared.py``, ``run/region.py``); a rank's tensors are
+  into one tmpfs copy of the checkpoint (``shared.py``, ``region.py``); a rank's tensors are
   copy-on-write views of it, so no byte is copied and the host holds the checkpoint once;
 - **shared outboxes**: on one host under a smaller limit, the reader copies a piece into its
   outbox before the round's status ``all_reduce`` and the ranks that want it copy it out after;
@@ -47,7 +47,7 @@ from streamer.group.shared import SharedOutboxes, SharedRegion, private_director
 from streamer.memory import streaming_budget
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run, SinkFor
-from streamer.run.region import RegionSink
+from streamer.group.region import RegionSink
 
 _TRANSPORTS: dict[type, str] = {
     SharedRegion: "shared copy",
