@@ -43,11 +43,11 @@ from streamer.format import DTYPES
 from streamer.format.safetensors import TensorEntry
 from streamer.group.identity import check_agreement, identity_values
 from streamer.group.plan import GroupPlan, Piece, Span, make_plan, merged, union_bytes
+from streamer.group.region import RegionSink
 from streamer.group.shared import SharedOutboxes, SharedRegion, private_directory, region_layout
 from streamer.memory import streaming_budget
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run, SinkFor
-from streamer.group.region import RegionSink
 
 _TRANSPORTS: dict[type, str] = {
     SharedRegion: "shared copy",
