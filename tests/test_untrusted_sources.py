@@ -253,3 +253,23 @@ def test_a_header_of_array_entries_over_the_limit_is_refused_before_entries_are_
     with pytest.raises(HeaderError, match="more than") as info:
         streamer.open(path)
     assert info.value.path == str(path)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "engine"])
+@pytest.mark.parametrize("replacement", ["fifo", "directory"])
+def test_a_file_replaced_by_a_fifo_or_directory_after_open_is_refused_without_hanging(
+    tmp_path: Path, inline: bool, replacement: str, deadline: Any
+) -> None:
+    deadline(30)
+    written = write_checkpoint(tmp_path, _tensors(4), index=False)
+    path = written.shards[0]
+    config = streamer.StreamerConfig(inline_max_bytes="8MiB" if inline else 0)
+    with streamer.open(path, config=config) as handle:  # headers read; no data yet
+        path.unlink()
+        if replacement == "fifo":
+            os.mkfifo(path)
+        else:
+            path.mkdir()
+        with pytest.raises(SourceError, match="not a regular file") as info:
+            list(handle)
+    assert info.value.path == str(path)

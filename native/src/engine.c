@@ -444,16 +444,38 @@ static int32_t append_file(se_engine *e, se_file file) {
     return index;
 }
 
+/* open(2) that never blocks (a FIFO put in a file's place would, until a writer comes) and gives
+ * regular files only: -1 with errno EINVAL for anything else. */
+static int open_regular(const char *path, int flags) {
+    int fd = open(path, flags | O_CLOEXEC | O_NONBLOCK);
+    if (fd < 0) {
+        return -1;
+    }
+    struct stat st;
+    int failure = 0;
+    if (fstat(fd, &st) != 0) {
+        failure = errno;
+    } else if (!S_ISREG(st.st_mode)) {
+        failure = EINVAL;
+    }
+    if (failure != 0) {
+        close(fd);
+        errno = failure;
+        return -1;
+    }
+    return fd;
+}
+
 int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, int32_t *is_direct,
                            int32_t *sys_errno) {
     *is_direct = 0;
     *sys_errno = 0;
     int fd = -1;
     if (want_direct) {
-        fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        fd = open_regular(path, O_RDONLY | O_DIRECT);
         *is_direct = fd >= 0;
     }
-    int buffered_fd = open(path, O_RDONLY | O_CLOEXEC);
+    int buffered_fd = open_regular(path, O_RDONLY);
     if (buffered_fd < 0) {
         *sys_errno = errno;
         if (fd >= 0) {

@@ -31,7 +31,7 @@ int32_t se_resident_bytes(const char *path, uint64_t offset, uint64_t length, ui
     if (sample_every == 0) {
         return SE_ERR_INVALID;
     }
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO in the file's place must not block */
     if (fd < 0) {
         *sys_errno = errno;
         return SE_ERR_OPEN;

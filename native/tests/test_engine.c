@@ -700,6 +700,22 @@ static void test_invalid_arguments(void) {
         CHECK_EQ(se_engine_add_file(e, missing, direct, &is_direct, &sys_errno), SE_ERR_OPEN);
         CHECK_EQ(sys_errno, ENOENT);
     }
+    /* A FIFO (or a directory) in a file's place is refused at once: opening it must not block. */
+    char fifo[4200];
+    len = snprintf(fifo, sizeof(fifo), "%s.fifo", f.path);
+    CHECK(len > 0 && (size_t)len < sizeof(fifo));
+    CHECK_EQ(mkfifo(fifo, 0600), 0);
+    const char *not_files[2] = {fifo, "/tmp"};
+    for (int k = 0; k < 2; k++) {
+        for (int32_t direct = 0; direct <= 1; direct++) {
+            int32_t is_direct = -1;
+            int32_t sys_errno = -1;
+            CHECK_EQ(se_engine_add_file(e, not_files[k], direct, &is_direct, &sys_errno), SE_ERR_OPEN);
+            CHECK_EQ(sys_errno, EINVAL);
+            CHECK_EQ(is_direct, 0);
+        }
+    }
+    CHECK_EQ(unlink(fifo), 0);
     CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
 
     const se_block good = plain_block(0, 0, 0, 0, 4096, dst);

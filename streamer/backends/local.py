@@ -6,7 +6,9 @@ bytes the run reads (auto mode samples residency) and buffered when it does.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -108,7 +110,9 @@ class _EngineFeed(Feed):
             try:
                 index, direct = engine.add_file(file.path, wants_direct(config, file.path, span))
             except OSError as exc:
-                raise SourceError(f"cannot open: {exc.strerror}", path=file.path) from None
+                # EINVAL: not a regular file any more (a FIFO or directory put in its place)
+                reason = "not a regular file" if exc.errno == errno.EINVAL else exc.strerror
+                raise SourceError(f"cannot open: {reason}", path=file.path) from None
             if index != expected:
                 raise StreamerError(f"engine numbered file {index}, expected {expected}", path=file.path)
             if direct:
@@ -145,11 +149,13 @@ def _identify(path: str, boot: str, full: bool) -> FileIdentity:
     import hashlib  # OpenSSL's ~60 ms import, for group loads only
 
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block
     except OSError as exc:
         raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
     try:
         info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SourceError("cannot open: not a regular file", path=path)
         place = f"{boot}:{info.st_dev}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}" if boot else ""
         digest = hashlib.sha256()
         buffer = bytearray(min(info.st_size, _HASH_READ_BYTES))

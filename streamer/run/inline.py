@@ -14,6 +14,7 @@ A short read is the same typed error the engine gives; the file and tensor are n
 from __future__ import annotations
 
 import os
+import stat
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -90,10 +91,7 @@ class InlineRun:
         fds: dict[int, int] = {}
         try:
             for file in dict.fromkeys(ref.file for ref in wanted):
-                try:
-                    fds[file] = os.open(paths[file].path, os.O_RDONLY | os.O_CLOEXEC)
-                except OSError as exc:
-                    raise SourceError(f"cannot open: {exc.strerror}", path=paths[file].path) from None
+                fds[file] = _open_regular(paths[file].path)
             total = sum(ref.entry.nbytes for ref in wanted)
             halves = (
                 _halves(wanted, total) if total >= PARALLEL_MIN_BYTES and usable_cores() > 1 else [wanted]
@@ -122,6 +120,19 @@ class InlineRun:
             for fd in fds.values():
                 os.close(fd)
         return total
+
+
+def _open_regular(path: str) -> int:
+    """The file at ``path``, opened without blocking (a FIFO put in its place would block until a
+    writer came) and only if it is still a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise SourceError(f"cannot open: {exc.strerror}", path=path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SourceError("cannot open: not a regular file", path=path)
+    return fd
 
 
 def _halves(refs: Sequence[TensorRef], total: int) -> list[Sequence[TensorRef]]:
