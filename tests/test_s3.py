@@ -230,7 +230,7 @@ def test_index_with_a_missing_shard(s3_server: str, s3: Any) -> None:
         Key="broken/model.safetensors.index.json",
         Body=b'{"weight_map": {"a": "model-00001-of-00002.safetensors"}}',
     )
-    with pytest.raises(S3SourceError, match="index references a missing"):
+    with pytest.raises(streamer.S3MissingError, match=r"references 1 missing shard\(s\): broken/model-00001"):
         streamer.load(f"s3://{BUCKET}/broken/model.safetensors.index.json", config=cfg(s3_server))
 
 
@@ -245,10 +245,15 @@ def test_a_prefix_with_an_index_reads_exactly_its_shards(s3_server: str, s3: Any
         with streamer.open(source, config=cfg(s3_server)) as handle:
             assert sorted(handle.files) == [f"s3://{BUCKET}/indexed/{p.name}" for p in written.shards]
             assert_same_dict(dict(handle), tensors)
-    s3.delete_object(Bucket=BUCKET, Key=f"indexed/{written.shards[1].name}")  # an interrupted upload
-    with pytest.raises(S3SourceError, match="index references a missing") as info:
+    for shard in written.shards[1:]:  # an interrupted upload
+        s3.delete_object(Bucket=BUCKET, Key=f"indexed/{shard.name}")
+    with pytest.raises(streamer.S3MissingError) as info:
         streamer.load(f"s3://{BUCKET}/indexed/", config=cfg(s3_server))
-    assert info.value.key == f"indexed/{written.shards[1].name}"
+    message = str(info.value)
+    assert f"the index s3://{BUCKET}/indexed/model.safetensors.index.json references 2 missing" in message
+    assert written.shards[1].name in message and written.shards[2].name in message
+    assert written.shards[0].name not in message.partition("missing")[2]
+    assert info.value.key == f"indexed/{written.shards[1].name}" and isinstance(info.value, FileNotFoundError)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ until ``close()``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from streamer.backends.base import Feed, FileIdentity, Front, Named, Opened, Range, Span, Storage, StoredFile
 from streamer.backends.s3.client import ClientHolder, S3Client
@@ -19,7 +20,7 @@ from streamer.backends.s3.feeder import S3Feeder
 from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
 from streamer.config import S3Config
 from streamer.engine import native
-from streamer.errors import S3SourceError, SourceError, StreamerError
+from streamer.errors import S3MissingError, S3SourceError, SourceError, StreamerError
 from streamer.sources import (
     INDEX_SUFFIX,
     MAX_INDEX_BYTES,
@@ -124,18 +125,14 @@ async def _open(client: S3Client, uris: list[S3Uri], *, single: bool) -> Opened:
             data, info = await client.get_start(uri, client.config.header_bytes)
             return Front(info, data)
 
+    if index_path is not None:
+        return Opened(
+            ResolvedSource(paths=tuple(str(u) for u in files), weight_map=weight_map, index_path=index_path),
+            await _indexed_fronts(files, front, index_path),
+        )
     try:
         fronts = await asyncio.gather(*(front(u) for u in files))
     except S3SourceError as error:
-        if index_path is not None:
-            raise type(error)(
-                f"the index references a missing or forbidden shard {error.key!r}: {error.reason}",
-                bucket=error.bucket,
-                key=error.key,
-                status=error.status,
-                code=error.code,
-                attempts=error.attempts,
-            ) from None
         if single and error.status == 404 and error.code != "NoSuchBucket":
             # s3://bucket/dir without the slash: a prefix, if it holds safetensors files.
             listed = await _maybe_prefix(client, files[0])
@@ -146,6 +143,42 @@ async def _open(client: S3Client, uris: list[S3Uri], *, single: bool) -> Opened:
         paths=tuple(f.file.path for f in fronts), weight_map=weight_map, index_path=index_path
     )
     return Opened(resolved, tuple(fronts))
+
+
+async def _indexed_fronts(
+    files: list[S3Uri], front: Callable[[S3Uri], Coroutine[Any, Any, Front]], index_path: str
+) -> tuple[Front, ...]:
+    """The fronts of an index's shards; shards the bucket lacks (an interrupted upload) are one
+    error naming the index and every missing shard, and a forbidden one names the index too."""
+    results = await asyncio.gather(*(front(u) for u in files), return_exceptions=True)
+    missing = [uri for uri, result in zip(files, results, strict=True) if isinstance(result, S3MissingError)]
+    if missing:
+        shown = ", ".join(u.key for u in missing[:10]) + (
+            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+        )
+        first = results[files.index(missing[0])]
+        assert isinstance(first, S3MissingError)
+        raise S3MissingError(
+            f"the index {index_path} references {len(missing)} missing shard(s): {shown}",
+            bucket=first.bucket,
+            key=first.key,
+            status=first.status,
+            code=first.code,
+            attempts=first.attempts,
+        )
+    for result in results:
+        if isinstance(result, S3SourceError):
+            raise type(result)(
+                f"the index {index_path} references a forbidden shard {result.key!r}: {result.reason}",
+                bucket=result.bucket,
+                key=result.key,
+                status=result.status,
+                code=result.code,
+                attempts=result.attempts,
+            )
+        if isinstance(result, BaseException):
+            raise result
+    return tuple(result for result in results if isinstance(result, Front))
 
 
 async def _list_prefix(client: S3Client, prefix: S3Uri) -> tuple[list[S3Uri], S3Uri | None]:
