@@ -179,7 +179,9 @@ def _memory_limit(value: object) -> MemoryLimit:
     existed): ``UNLIMITED``; else a size in bytes."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
         return None
-    if value == 0 or (isinstance(value, str) and value.strip().lower() in ("none", "unlimited", "0")):
+    if (type(value) is int and value == 0) or (
+        isinstance(value, str) and value.strip().lower() in ("none", "unlimited", "0")
+    ):
         return UNLIMITED
     try:
         limit: int = size()(value)

@@ -156,6 +156,7 @@ def test_a_field_takes_the_same_values_from_the_constructor_and_the_environment(
         (streamer.StreamerConfig, {"concurrency": 2000}, "a whole number in 1..1024"),
         (streamer.StreamerConfig, {"hugepages": "maybe"}, "true or false"),
         (streamer.StreamerConfig, {"memory_limit": -5}, "a size in bytes"),
+        (streamer.StreamerConfig, {"memory_limit": False}, "a size in bytes"),
         (streamer.StreamerConfig, {"io_mode": "fast"}, "one of auto, buffered, direct"),
         (streamer.StreamerConfig, {"group_timeout": "soon"}, "a positive number of seconds"),
         (streamer.S3Config, {"concurrency": 0}, "a whole number in 1..1024"),
