@@ -7,6 +7,8 @@ exact place without a debugger.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class StreamerError(Exception):
     """Root of every error streamer raises deliberately."""
@@ -58,9 +60,9 @@ class KeyMismatchError(SourceError):
         self.unexpected_keys = unexpected_keys  # in the checkpoint, not in dest
         parts = []
         if missing_keys:
-            parts.append(f"missing from the checkpoint ({len(missing_keys)}): {_names(missing_keys)}")
+            parts.append(f"missing from the checkpoint ({len(missing_keys)}): {listed(missing_keys)}")
         if unexpected_keys:
-            parts.append(f"not in dest ({len(unexpected_keys)}): {_names(unexpected_keys)}")
+            parts.append(f"not in dest ({len(unexpected_keys)}): {listed(unexpected_keys)}")
         where = paths[0] if len(paths) == 1 else f"{paths[0]} and {len(paths) - 1} more file(s)"
         super().__init__(
             "dest and the checkpoint name different tensors (strict=False loads those both have): "
@@ -70,9 +72,10 @@ class KeyMismatchError(SourceError):
         )
 
 
-def _names(names: list[str], shown: int = 10) -> str:
-    listed = ", ".join(repr(name) for name in names[:shown])
-    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+def listed(names: Sequence[str], *, quoted: bool = True, shown: int = 10) -> str:
+    """``names`` for a message: the first ``shown``, then how many more."""
+    first = ", ".join(repr(name) if quoted else name for name in names[:shown])
+    return first + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 class FileClosedError(StreamerError, ValueError):

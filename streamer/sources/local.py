@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamer.errors import MissingFileError, SourceError, SourceTypeError, StreamerError
+from streamer.errors import MissingFileError, SourceError, SourceTypeError, StreamerError, listed
 
 SourceLike = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 PathArg = str | bytes | os.PathLike[str] | os.PathLike[bytes]
@@ -155,9 +155,9 @@ def _resolve_index(index_path: Path) -> ResolvedSource:
     directory = index_path.parent
     missing = [s for s in shards if not (directory / s).is_file()]
     if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise MissingFileError(
-            f"the index names {len(missing)} shard(s) that are not there: {shown}", path=str(index_path)
+            f"the index names {len(missing)} shard(s) that are not there: {listed(missing, quoted=False)}",
+            path=str(index_path),
         )
     return ResolvedSource(
         paths=tuple(str(directory / s) for s in shards),

@@ -20,7 +20,7 @@ from streamer.backends.s3.feeder import S3Feeder
 from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
 from streamer.config import S3Config
 from streamer.engine import native
-from streamer.errors import S3MissingError, S3SourceError, SourceError, StreamerError
+from streamer.errors import S3MissingError, S3SourceError, SourceError, StreamerError, listed
 from streamer.sources import (
     INDEX_SUFFIX,
     MAX_INDEX_BYTES,
@@ -151,34 +151,32 @@ async def _indexed_fronts(
     """The fronts of an index's shards; shards the bucket lacks (an interrupted upload) are one
     error naming the index and every missing shard, and a forbidden one names the index too."""
     results = await asyncio.gather(*(front(u) for u in files), return_exceptions=True)
-    missing = [uri for uri, result in zip(files, results, strict=True) if isinstance(result, S3MissingError)]
+    missing = [result for result in results if isinstance(result, S3MissingError)]
     if missing:
-        shown = ", ".join(u.key for u in missing[:10]) + (
-            f" and {len(missing) - 10} more" if len(missing) > 10 else ""
-        )
-        first = results[files.index(missing[0])]
-        assert isinstance(first, S3MissingError)
-        raise S3MissingError(
-            f"the index {index_path} references {len(missing)} missing shard(s): {shown}",
-            bucket=first.bucket,
-            key=first.key,
-            status=first.status,
-            code=first.code,
-            attempts=first.attempts,
+        keys = listed([error.key for error in missing], quoted=False)
+        raise _restated(
+            missing[0], f"the index {index_path} references {len(missing)} missing shard(s): {keys}"
         )
     for result in results:
         if isinstance(result, S3SourceError):
-            raise type(result)(
-                f"the index {index_path} references a forbidden shard {result.key!r}: {result.reason}",
-                bucket=result.bucket,
-                key=result.key,
-                status=result.status,
-                code=result.code,
-                attempts=result.attempts,
+            raise _restated(
+                result, f"the index {index_path} references a forbidden shard {result.key!r}: {result.reason}"
             )
         if isinstance(result, BaseException):
             raise result
     return tuple(result for result in results if isinstance(result, Front))
+
+
+def _restated(error: S3SourceError, message: str) -> S3SourceError:
+    """``error`` (its type, object, status and tries) with ``message``."""
+    return type(error)(
+        message,
+        bucket=error.bucket,
+        key=error.key,
+        status=error.status,
+        code=error.code,
+        attempts=error.attempts,
+    )
 
 
 async def _list_prefix(client: S3Client, prefix: S3Uri) -> tuple[list[S3Uri], S3Uri | None]:
