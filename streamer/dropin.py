@@ -16,12 +16,13 @@ from types import TracebackType
 import torch
 
 from streamer import slicing
-from streamer.api import Streamer, check_backend
+from streamer.api import check_backend
 from streamer.checkpoint import TensorRef
 from streamer.config import StreamerConfig
 from streamer.destinations.cpu import MemoryBudget, allocate_buffer
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
 from streamer.format.safetensors import TensorEntry
+from streamer.handle import Streamer
 from streamer.readahead import KeyWalk
 from streamer.sources import SourceArg
 

@@ -28,10 +28,10 @@ from conftest import (
 )
 
 import streamer
-from streamer.api import Streamer
 from streamer.checkpoint import TensorRef
 from streamer.config import StreamerConfig
 from streamer.errors import ReadError
+from streamer.handle import Streamer
 from streamer.readahead import MIN_WINDOW_BYTES, KeyWalk
 
 

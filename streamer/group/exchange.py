@@ -28,7 +28,7 @@ import dataclasses
 import datetime
 import functools
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from streamer.group.plan import GroupPlan, Piece, Span, make_plan, merged, union
 from streamer.group.region import RegionSink
 from streamer.group.shared import SharedOutboxes, SharedRegion, private_directory, region_layout
 from streamer.memory import streaming_budget
+from streamer.run.assembly import check_destination
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run, SinkFor
 
@@ -379,6 +380,29 @@ class GroupExchange:
                 f"group exchange failed while {doing} (rank {self._rank}; a rank failed, died or did not "
                 f"make the same call within group_timeout={self._timeout.total_seconds():g}s): {error}"
             ) from error
+
+
+def exchange_into(
+    dest: Mapping[str, torch.Tensor],
+    storage: Storage,
+    checkpoint: Checkpoint,
+    config: StreamerConfig,
+    group: dist.ProcessGroup,
+) -> None:
+    """``load_into`` with a group: the checkpoint's tensors named in ``dest``, in checkpoint order,
+    assembled in place (so they must be contiguous)."""
+    names = [name for name in checkpoint.tensors if name in dest]
+    for name in names:
+        check_destination(checkpoint, name, dest[name])
+        if not dest[name].is_contiguous():
+            path = checkpoint.headers[checkpoint.tensors[name].file].path
+            raise ConfigError("a group load fills contiguous tensors only", path=path, tensor=name)
+    refs = [checkpoint.tensors[name] for name in names]
+    exchange = GroupExchange(
+        checkpoint, storage, refs, group, config, lambda p: dest[names[p]], ordered=False
+    )
+    for _ in exchange.results():
+        pass
 
 
 def _piece_bytes(config: StreamerConfig, total: int, world_size: int, largest: int) -> int:
