@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from streamer.bench.cli import main
+from streamer_bench.cli import main
 
 ISSUE_2 = [
     "--synthetic", "4GiB",

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from streamer.bench.cli import main
+from streamer_bench.cli import main
 
 ISSUE_3 = [
     "--synthetic", "16GiB",

@@ -7,7 +7,7 @@ the same checkpoint as plain local files, and against Run:ai's S3 loader, paired
 ``DIR`` holds the checkpoint's files, ``--source`` the same files in a bucket (``s3_load.py
 --keep DIR`` generates and uploads both; point ``AWS_ENDPOINT_URL`` at the shaped endpoint).
 Every round runs, shuffled after the first (``runner.round_order``), each in a fresh process
-(``streamer.bench.child``) started ``--settle`` seconds after the last (``streamer-bench
+(``streamer_bench.child``) started ``--settle`` seconds after the last (``streamer-bench
 --settle``):
 
   - "local cold":  streamer from ``DIR``, its page cache evicted;
@@ -21,7 +21,7 @@ Every round runs, shuffled after the first (``runner.round_order``), each in a f
 may use an endpoint that serves GETs slower than the one the fill is measured against.
 
 Reported: median seconds, and the paired per-round ratios the issue's goals are about, with
-bootstrap intervals (``streamer.bench.stats``): local cold ÷ hit cold (≥ 0.9: hits read at disk
+bootstrap intervals (``streamer_bench.stats``): local cold ÷ hit cold (≥ 0.9: hits read at disk
 speed), no cache ÷ fill (≥ 0.9: filling costs the first start little), and the first and second
 start against Run:ai. The first two again for the run alone (the load's ``seconds`` metric):
 without the S3 session an ``s3://`` load opens first (imports, client, listing, headers), a
@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streamer.bench import runner, stats
-from streamer.bench.units import nonnegative_seconds
+from streamer_bench import runner, stats
+from streamer_bench.units import nonnegative_seconds
 
 CACHE_COUNTERS = ("cache_hit_bytes", "cache_miss_bytes", "cache_write_bytes")
 SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")

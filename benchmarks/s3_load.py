@@ -18,7 +18,7 @@ clock too (a server's cold start).
 
 Needs: pip install runai-model-streamer-s3==0.17.* boto3; nginx with the lua module
 (``../shared/s3/s3_server.sh`` installs it). Loopback only. ``--json PREFIX`` writes
-``PREFIX-<endpoint>.json`` per endpoint (``streamer/bench/schema.json``).
+``PREFIX-<endpoint>.json`` per endpoint (``benchmarks/streamer_bench/schema.json``).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for name in [e for e in args.endpoints.split(",") if e]:
         command = [
-            sys.executable, "-m", "streamer.bench",
+            sys.executable, "-m", "streamer_bench",
             "--synthetic", args.size,
             "--shards", str(args.shards),
             "--upload", f"s3://{BUCKET}/ckpt-{args.size}-{args.shards}/",

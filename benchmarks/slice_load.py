@@ -11,7 +11,7 @@ the file warm in the page cache (or evicted before each read with ``--cold``); e
 copied once, as a loader's caller copies it into its parameter (safetensors maps the file: its
 slice is a view whose bytes are read only when touched). Reported: each read's median seconds
 (streamer's ``bytes_read``), and the paired per-round ratios (other / streamer's shard) with
-their bootstrap intervals: above 1, streamer's shard is faster (``streamer.bench.stats``).
+their bootstrap intervals: above 1, streamer's shard is faster (``streamer_bench.stats``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 
 import streamer
-from streamer.bench import cache, stats
+from streamer_bench import pagecache, stats
 
 
 def eighth(shape: list[int], dim: int) -> tuple[slice, ...]:
@@ -85,7 +85,7 @@ def main() -> None:
         for round_ in range(args.repeat):
             for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
                 if args.cold:
-                    cache.make_cold([str(path)])
+                    pagecache.make_cold([path])
                 started = time.perf_counter()
                 read[name] = READS[name](path, args.dim)
                 seconds[name][round_] = time.perf_counter() - started

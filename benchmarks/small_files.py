@@ -11,7 +11,7 @@ and ``safetensors.torch.load_file`` followed by a ``clone()`` of every
 tensor (safetensors maps the file: its tensors are views of the page cache, read when touched;
 the copy is what makes them process memory, as streamer's are). Reported: each one's median
 milliseconds and the per-round ratio (safetensors + copy over streamer) with its bootstrap
-interval and verdict (``streamer.bench.stats``): above 1, streamer is faster.
+interval and verdict (``streamer_bench.stats``): above 1, streamer is faster.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 
 import streamer
-from streamer.bench import stats
+from streamer_bench import stats
 
 TENSORS = 16
 

@@ -9,7 +9,7 @@ tensor, and reports GB/s, peak RSS (VmHWM, reset after start-up), minor faults, 
 the budget in force and every warning; it checks slices of every tensor byte for byte.
 Settings run in interleaved rounds; the summary gives each setting's median and the median of
 the per-round ratios of the first setting to the last with its bootstrap 95% interval
-(``streamer.bench.stats``: at least 5 rounds for an interval).
+(``streamer_bench.stats``: at least 5 rounds for an interval).
 
     python benchmarks/streaming.py --dir /var/tmp/streaming --json streaming.json   # 28 GiB, 5 rounds
     python benchmarks/streaming.py --dir /tmp/s --size 2GiB --tensor 256MiB --big 512MiB --rounds 2
@@ -35,9 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamer import pagecache
-from streamer.bench import stats
 from streamer.config_fields import parse_size
+from streamer_bench import pagecache, stats
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -22,6 +22,12 @@ auditwheel repair -w "$work/dist" "$core" 2>&1 | grep -v '^INFO:' || true
 cp "$work"/built/streamer_weights_vllm-*.whl "$work/dist/"
 ls "$work/dist"
 wheel=$(ls "$work"/dist/streamer_weights-*manylinux*.whl)
+# The library only: the bench is its own distribution (benchmarks/), with its own dependencies.
+tools=$(python -m zipfile -l "$wheel" | awk '{print $1}' | grep -E '(^|/)(bench|streamer_bench)/|pagecache' || true)
+if [ -n "$tools" ]; then echo "[wheel] the library's wheel holds the bench: $tools" >&2; exit 1; fi
+if unzip -p "$wheel" '*.dist-info/METADATA' 2>/dev/null | grep -qi 'matplotlib\|runai'; then
+  echo "[wheel] the library's metadata asks for the bench's dependencies" >&2; exit 1
+fi
 
 # A fresh venv on the interpreter beneath the CI venv, and a PATH with nothing but that venv.
 base=$(python -c 'import sys; print(sys._base_executable)')

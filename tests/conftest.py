@@ -151,9 +151,9 @@ BENCH_ENV = {
 def bench(
     *args: str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m streamer.bench ARGS`` of the installed package (run outside the checkout)."""
+    """``python -m streamer_bench ARGS`` of the installed package (run outside the checkout)."""
     return subprocess.run(
-        [sys.executable, "-m", "streamer.bench", *args],
+        [sys.executable, "-m", "streamer_bench", *args],
         capture_output=True,
         text=True,
         env=BENCH_ENV | (env or {}),

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 from conftest import BENCH_ENV, bench, bench_report
 
-from streamer.bench import cache, ceilings, cli, report, runner, synthetic
-from streamer.bench.checkpoint import resolve
-from streamer.bench.loaders import Setting
 from streamer.machine import free_page_reporting
+from streamer_bench import arguments, ceilings, pagecache, report, runner, synthetic
+from streamer_bench.checkpoint import resolve
+from streamer_bench.loaders import Setting
 
 MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -137,9 +137,9 @@ def test_eviction_is_real(run: dict[str, Any], monkeypatch: pytest.MonkeyPatch) 
     if "STREAMER_NATIVE_LIB" in BENCH_ENV:  # a developer build of the engine (conftest strips STREAMER_*)
         monkeypatch.setenv("STREAMER_NATIVE_LIB", BENCH_ENV["STREAMER_NATIVE_LIB"])
     files = [Path(f["path"]) for f in run["json"]["checkpoint"]["files"]]
-    assert cache.make_warm(files) == 0
-    assert cache.resident_bytes(files) > 0  # (a VM balloon may take a page back at any time)
-    assert cache.make_cold(files) == 0
+    assert pagecache.make_warm(files) == 0
+    assert pagecache.resident_total(files) > 0  # (a VM balloon may take a page back at any time)
+    assert pagecache.make_cold(files) == 0
     if shutil.which("fincore"):
         out = subprocess.run(
             ["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
@@ -154,7 +154,7 @@ def test_a_cold_figure_is_refused_when_eviction_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     made = synthetic.generate(tmp_path, 256 * 1024, 1)
-    monkeypatch.setattr(cache, "make_cold", lambda files: 4096)
+    monkeypatch.setattr(pagecache, "make_cold", lambda files: 4096)
     monkeypatch.setattr(runner, "call_child", lambda *a, **k: pytest.fail("a child ran"))
     config = runner.Config(Setting("streamer"), [str(f) for f in made.files], str(made.index))
     runner.run_section(
@@ -259,7 +259,7 @@ def test_settle_defaults_to_the_vm_s_free_page_reporting(run: dict[str, Any]) ->
 )
 def test_bad_arguments_are_usage_errors(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.parse_args(args)
+        arguments.parse_args(args)
     assert exc.value.code == 2
     assert "usage:" in capsys.readouterr().err
 
@@ -293,7 +293,7 @@ def test_a_gpu_run_makes_the_cuda_context_before_its_clock(monkeypatch: pytest.M
     """Every loader's first CUDA call would otherwise time the context's creation as its load."""
     import torch
 
-    from streamer.bench import child
+    from streamer_bench import child
 
     calls: list[str] = []
     monkeypatch.setattr(torch, "zeros", lambda *a, device: calls.append(f"context {device}"))
@@ -331,7 +331,7 @@ def test_a_run_cut_by_a_signal_reports_the_runs_that_finished(tmp_path: Path, si
     keep = tmp_path / "keep"
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "streamer.bench", "--synthetic", "2MiB", "--keep", str(keep)),
+            *(sys.executable, "-m", "streamer_bench", "--synthetic", "2MiB", "--keep", str(keep)),
             *("--loaders", "streamer,safetensors", "--safetensors-backends", "mmap", "--warm"),
             *("--repeat", "100", "--no-ceilings", "--settle", "0", "--json", str(tmp_path / "out.json")),
         ],
@@ -372,7 +372,7 @@ def test_a_signal_while_the_checkpoint_is_made_leaves_no_temporary_files(tmp_pat
     temp = tmp_path / "tmp"
     temp.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamer.bench", "--synthetic", "2GiB", "--loaders", "streamer"],
+        [sys.executable, "-m", "streamer_bench", "--synthetic", "2GiB", "--loaders", "streamer"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -461,7 +461,7 @@ def test_a_ceiling_sample_whose_preparation_fails_is_an_error_not_a_crash(tmp_pa
         nonlocal prepared
         prepared += 1
         if prepared == 2:
-            raise cache.CacheStateError("files could not be fully cached")
+            raise pagecache.CacheStateError("files could not be fully cached")
 
     (found,) = ceilings.storage_ceilings(
         made.files, "warm", flaky_prepare, modes=("buffered",), use_fio=False
@@ -478,13 +478,12 @@ def test_make_warm_reads_again_what_went_missing(tmp_path: Path, monkeypatch: py
     answers = iter([0, short, short])  # first file: nothing cached, then a page short after its read
     reads: list[Path] = []
 
-    def resident(files: list[Path]) -> int:
-        (path,) = files
+    def resident(path: Path) -> int:
         return next(answers, sizes[path]) if path == made.files[0] else sizes[path]
 
-    monkeypatch.setattr(cache, "resident_bytes", resident)
-    monkeypatch.setattr(cache, "_read_through", reads.append)
-    assert cache.make_warm(made.files) == 0
+    monkeypatch.setattr(pagecache, "resident_bytes", resident)
+    monkeypatch.setattr(pagecache, "_read_through", reads.append)
+    assert pagecache.make_warm(made.files) == 0
     assert reads == [made.files[0], made.files[0]]
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from conftest import bench, bench_report, s3_client
 
-from streamer.bench import report, synthetic
-from streamer.bench.checkpoint import SourceProblem, SourceUnreachable, resolve
+from streamer_bench import report, synthetic
+from streamer_bench.checkpoint import SourceProblem, SourceUnreachable, resolve
 
 pytest.importorskip("boto3")
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from streamer.bench import report, stats
-from streamer.bench.loaders import Setting
-from streamer.bench.runner import Config, Run
+from streamer_bench import report, stats
+from streamer_bench.loaders import Setting
+from streamer_bench.runner import Config, Run
 
 
 def test_ratios_pair_runs_of_the_same_round_only() -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from streamer.bench import vllm_bench
-from streamer.bench.cli import main
+from streamer_bench import vllm_bench
+from streamer_bench.cli import main
 
 
 def _model(tmp_path: Path) -> Path:
@@ -63,7 +63,7 @@ def test_python_without_vllm_is_a_usage_error(tmp_path: Path) -> None:
     if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0:
         pytest.skip("vllm is importable here")
     proc = subprocess.run(
-        [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(_model(tmp_path))],
+        [sys.executable, "-m", "streamer_bench", "vllm", "--model", str(_model(tmp_path))],
         cwd=tmp_path,
         capture_output=True,
         text=True,

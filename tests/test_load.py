@@ -37,7 +37,7 @@ from conftest import (
 
 import streamer
 from streamer.format.dtypes import DTYPES
-from streamer.pagecache import evict_and_verify, resident_bytes
+from streamer_bench.pagecache import evict_and_verify, resident_bytes
 
 WRITABLE = sorted(name for name in DTYPES if name in safetensors.torch._TYPES)  # what save_file can write
 # hand-built instead; F4 (two values per byte, header and torch shapes differ) has its own tests

@@ -23,6 +23,7 @@ from streamer.format.dtypes import DTYPES, NO_TORCH_DTYPE
 
 DIST = "streamer-weights"
 PLUGIN_DIST = "streamer-weights-vllm"
+BENCH_DIST = "streamer-bench"
 S3_MODULES = ("aiobotocore", "botocore", "aiohttp")
 # Every dtype safetensors 0.8 defines: each is either loadable here or refused with a reason.
 SAFETENSORS_DTYPES = {
@@ -70,6 +71,24 @@ def test_plugin_depends_on_this_distribution() -> None:
     names = {r.name for r in requirements(PLUGIN_DIST)}
     assert DIST in names
     assert "streamer" not in names  # an unrelated project on the package index
+
+
+def test_the_library_holds_no_bench() -> None:
+    """The bench is its own distribution: the library installs no bench module and none of the
+    bench's dependencies, in any extra a user would pick."""
+    files = [str(f) for f in metadata.files(DIST) or []]
+    assert files and not [f for f in files if "bench" in f or "pagecache" in f]
+    names = {r.name for r in requirements(DIST) if r.marker is None or r.marker.evaluate({"extra": "s3"})}
+    assert not names & {"matplotlib", "runai-model-streamer", "runai-model-streamer-s3"}, names
+    assert "streamer-bench" not in {ep.name for ep in metadata.distribution(DIST).entry_points}
+
+
+def test_the_bench_is_its_own_distribution() -> None:
+    pytest.importorskip("streamer_bench", reason="the bench is installed by scripts/setup.sh, not here")
+    names = {r.name for r in requirements(BENCH_DIST)}
+    assert DIST in names and "matplotlib" in names
+    scripts = {ep.name: ep.value for ep in metadata.distribution(BENCH_DIST).entry_points}
+    assert scripts["streamer-bench"] == "streamer_bench.cli:main"
 
 
 BLOCK_S3 = f"""

@@ -33,12 +33,12 @@ from conftest import (
 )
 
 import streamer
-from streamer import pagecache
 from streamer.config import UNLIMITED, ConfigError, MemoryLimit, StreamerConfig
 from streamer.engine import native
 from streamer.engine.blocks import Block
 from streamer.errors import ReadError
 from streamer.planner import plan_segments
+from streamer_bench import pagecache
 
 
 def _fill_works() -> bool:

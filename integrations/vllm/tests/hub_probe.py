@@ -14,10 +14,10 @@ from typing import Any
 
 
 def main() -> None:
-    from streamer_vllm.loader import StreamerModelLoader
     from vllm.config.load import LoadConfig
 
     import streamer
+    from streamer_vllm.loader import StreamerModelLoader
 
     model, revisions, download_dir = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     loader = StreamerModelLoader(LoadConfig(load_format="streamer", download_dir=download_dir))

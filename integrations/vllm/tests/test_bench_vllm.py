@@ -16,7 +16,7 @@ pytest.importorskip("vllm", reason="needs the vLLM venv (scripts/setup_vllm.sh)"
 
 import tiny_model
 
-from streamer.bench import vllm_bench
+from streamer_bench import vllm_bench
 
 
 def bench_vllm(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
@@ -24,7 +24,7 @@ def bench_vllm(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
     model = tiny_model.build(tmp_path / "tiny")
     out = tmp_path / "vllm.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
-    args = [sys.executable, "-m", "streamer.bench", "vllm", "--model", str(model), "--repeat", "1", *extra]
+    args = [sys.executable, "-m", "streamer_bench", "vllm", "--model", str(model), "--repeat", "1", *extra]
     args += ["--json", str(out)]
     proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

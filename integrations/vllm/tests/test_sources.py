@@ -17,12 +17,13 @@ pytest.importorskip("vllm", reason="needs the vLLM venv (scripts/setup_vllm.sh)"
 pytest.importorskip("streamer_vllm", reason="needs the plugin installed (scripts/setup_vllm.sh)")
 
 import safetensors.torch
-import streamer_vllm
 import torch
-from streamer_vllm.loader import StreamerModelLoader
 from torch import nn
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+import streamer_vllm
+from streamer_vllm.loader import StreamerModelLoader
 
 
 def _tensors(seed: int, names: list[str]) -> dict[str, torch.Tensor]:

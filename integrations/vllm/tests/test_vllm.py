@@ -94,11 +94,12 @@ def reference(model_dir: Path, scratch: Path) -> dict[str, Any]:
 
 
 def test_register_is_idempotent_and_leaves_cuda_alone() -> None:
-    import streamer_vllm
     import torch
     from vllm.config.load import LoadConfig
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.plugins import load_general_plugins
+
+    import streamer_vllm
 
     load_general_plugins()  # what vLLM does in each of its processes: finds us by entry point
     streamer_vllm.register()

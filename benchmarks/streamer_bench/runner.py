@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from streamer.bench import cache
-from streamer.bench.child import RESULT_MARK
-from streamer.bench.loaders import CONTROLLED_ENV, Setting
-from streamer.bench.units import format_bytes, gbps
 from streamer.machine import free_page_reporting
+from streamer_bench import pagecache
+from streamer_bench.child import RESULT_MARK
+from streamer_bench.loaders import CONTROLLED_ENV, Setting
+from streamer_bench.units import format_bytes, gbps
 
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds ``streamer/``
 T = TypeVar("T")
@@ -81,7 +81,7 @@ def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, s
 # ``-c`` put it first, and from a checkout's root that is the source tree, with no built engine,
 # not the streamer ``child_env`` chose).
 CWD_OFF_PATH = "import sys; del sys.path[0]; "
-_RUN_CHILD = CWD_OFF_PATH + "from streamer.bench.child import main; raise SystemExit(main(sys.argv))"
+_RUN_CHILD = CWD_OFF_PATH + "from streamer_bench.child import main; raise SystemExit(main(sys.argv))"
 
 
 def call_child(
@@ -90,7 +90,7 @@ def call_child(
     timeout: float = 1800,
     python: str | None = None,
 ) -> dict[str, Any]:
-    """Runs ``streamer.bench.child`` with ``request`` in ``python`` (default: this interpreter);
+    """Runs ``streamer_bench.child`` with ``request`` in ``python`` (default: this interpreter);
     returns its result object."""
     try:
         proc = subprocess.run(
@@ -165,9 +165,9 @@ def _prepare(config: Config, state: str) -> tuple[int | None, str | None]:
     if state == "remote":  # S3: no page cache on this side to empty or fill
         return None, None
     if state == "cold":
-        resident = cache.make_cold(config.paths)
+        resident = pagecache.make_cold(config.paths)
         return resident, (f"not cold: {resident} bytes still resident after eviction" if resident else None)
-    missing = cache.make_warm(config.paths)
+    missing = pagecache.make_warm(config.paths)
     resident = config.file_bytes - missing
     return resident, (f"not warm: {missing} bytes not resident after reading the files" if missing else None)
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import streamer
-from streamer.bench import cache, stats
-from streamer.bench.checkpoint import Checkpoint
-from streamer.bench.units import format_bytes
+from streamer_bench import pagecache, stats
+from streamer_bench.checkpoint import Checkpoint
+from streamer_bench.units import format_bytes
 
 MODES = ("group", "independent")
 
@@ -101,9 +101,9 @@ def bench(
         for round_ in range(repeat):
             for mode in MODES:
                 if state == "cold":
-                    cache.make_cold(checkpoint.files)
+                    pagecache.make_cold(checkpoint.files)
                 elif state == "warm":
-                    cache.make_warm(checkpoint.files)
+                    pagecache.make_warm(checkpoint.files)
                 progress(f"{state} round {round_ + 1}/{repeat}: {world} ranks, {mode}")
                 runs.append({"round": round_, **_one_run(checkpoint.source, world, mode == "group", keep)})
         medians = {

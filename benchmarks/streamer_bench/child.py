@@ -1,6 +1,6 @@
 """The fresh subprocess that times exactly one load (or probes, or converts) and prints one line.
 
-Run as ``python -m streamer.bench.child '<json request>'``. Every timed load gets its own
+Run as ``python -m streamer_bench.child '<json request>'``. Every timed load gets its own
 process because loaders keep process-global state (environment variables read once, io_uring
 rings, allocator pools) and because a cold start is what we measure. The line it prints starts
 with ``RESULT_MARK`` so library chatter on stdout cannot be mistaken for it.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamer.bench.checkpoint import is_remote
+from streamer_bench.checkpoint import is_remote
 
 RESULT_MARK = "@@streamer-bench@@ "
 # Comma-separated loaders, or modules a loader needs for S3, to treat as not installed (tests).
@@ -108,7 +108,7 @@ def _prepare_safetensors(request: dict[str, Any]) -> Prepared:
 
     if not is_remote(request["source"]):
         return run
-    s3peers = _module("streamer.bench.s3peers")
+    s3peers = _module("streamer_bench.s3peers")
     config = _module("streamer.config").S3Config()
 
     def download_and_run() -> Loaded:
@@ -193,7 +193,7 @@ def _prepare_tensorizer(request: dict[str, Any]) -> Prepared:
 
 
 def _prepare_boto3(request: dict[str, Any]) -> Prepared:
-    s3peers = _module("streamer.bench.s3peers")
+    s3peers = _module("streamer_bench.s3peers")
     # By default as many connections as streamer opens (STREAMER_S3_CONCURRENCY is not passed down).
     config = _module("streamer.config").S3Config()
     connections = request["knobs"].get("concurrency") or config.concurrency
@@ -228,12 +228,12 @@ PREPARERS: dict[str, Callable[[dict[str, Any]], Prepared]] = {
 def _reach(state: str, files: list[str]) -> int:
     """Re-establishes the cache state right before the clock (pages come and go on shared VMs:
     this one's balloon reclaims page cache now and then); returns the bytes then resident."""
-    cache = _module("streamer.bench.cache")
+    pagecache = _module("streamer_bench.pagecache")
     paths = [Path(f) for f in files]
     if state == "cold":
-        return int(cache.make_cold(paths))
-    cache.make_warm(paths)
-    return int(cache.resident_bytes(paths))
+        return int(pagecache.make_cold(paths))
+    pagecache.make_warm(paths)
+    return int(pagecache.resident_total(paths))
 
 
 def _since_process_start() -> float:
@@ -333,7 +333,7 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
         try:
             mod = _module(module)
             if name == "streamer":
-                _module("streamer.pagecache")
+                _module("streamer_bench.pagecache")
                 if not callable(getattr(mod, "load", None)):
                     raise ImportError("streamer.load is missing")
             if name == "safetensors":

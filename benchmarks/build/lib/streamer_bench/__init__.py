@@ -1,4 +1,4 @@
-"""Cold-start timing of safetensors loaders, local or S3: ``python -m streamer.bench`` / ``streamer-bench``.
+"""Cold-start timing of safetensors loaders, local or S3: ``python -m streamer_bench`` / ``streamer-bench``.
 
 One module, one job:
 
@@ -10,7 +10,7 @@ One module, one job:
 - ``child``      the fresh subprocess that times exactly one load and prints one JSON line;
 - ``runner``     interleaved runs, each after the page cache was evicted or filled and checked
                  (or none of that: the "remote" state of S3 sources);
-- ``cache``      page-cache eviction and verification (through ``streamer.pagecache``);
+- ``cache``      page-cache eviction and verification (through ``streamer_bench.pagecache``);
 - ``ceilings``   what the hardware allows: sequential reads (fio), memcpy, first touch, H2D; for S3
                  the boto3 ranged-GET rate;
 - ``s3peers``    plain boto3 reads of S3 objects: ranged GETs into memory, download to files;

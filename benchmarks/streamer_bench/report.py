@@ -13,10 +13,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from streamer.bench import stats
-from streamer.bench.ceilings import Ceiling
-from streamer.bench.runner import Config, Run
-from streamer.bench.units import format_bytes, gbps
+from streamer_bench import stats
+from streamer_bench.ceilings import Ceiling
+from streamer_bench.runner import Config, Run
+from streamer_bench.units import format_bytes, gbps
 
 SCHEMA_ID = "streamer-bench/1"
 GIB = 1 << 30

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamer.bench.runner import Config
-from streamer.bench.units import gbps
+from streamer_bench.runner import Config
+from streamer_bench.units import gbps
 
 JOB_COUNTS = (1, 2, 4, 8)
 READ_BLOCK = 1 << 20

@@ -1,6 +1,6 @@
 """One timed vLLM cold start, run by ``streamer-bench vllm`` with the Python that has vLLM.
 
-``python -m streamer.bench.vllm_child REQUEST_JSON``: builds ``vllm.LLM`` with the requested load
+``python -m streamer_bench.vllm_child REQUEST_JSON``: builds ``vllm.LLM`` with the requested load
 format (engine ready), generates one token greedily (first token), and prints
 ``VLLM_RESULT {json}`` with wall-clock times (``time.time()``), so the parent can measure from
 the moment it started this process.

@@ -27,9 +27,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from streamer.bench import cache, ceilings, report, runner, stats, synthetic
-from streamer.bench.checkpoint import Checkpoint, SourceProblem, SourceUnreachable, is_remote, resolve
-from streamer.bench.loaders import (
+from streamer_bench import ceilings, pagecache, report, runner, stats, synthetic
+from streamer_bench.checkpoint import Checkpoint, SourceProblem, SourceUnreachable, is_remote, resolve
+from streamer_bench.loaders import (
     ALL_LOADERS,
     BASELINE,
     LOADERS,
@@ -40,12 +40,12 @@ from streamer.bench.loaders import (
     default_loaders,
     settings_for,
 )
-from streamer.bench.machine import facts, s3_endpoint
-from streamer.bench.units import format_bytes, nonnegative_seconds, parse_size, positive_int
+from streamer_bench.machine import facts, s3_endpoint
+from streamer_bench.units import format_bytes, nonnegative_seconds, parse_size, positive_int
 
 DEFAULT_SYNTHETIC = "1GiB"
 # Paired per-round ratios on these VMs spread ~15% around their median: 10 rounds bound the
-# median's 95% interval to about ±10%, enough to call a 15-20% lead (see streamer/bench/stats.py).
+# median's 95% interval to about ±10%, enough to call a 15-20% lead (see benchmarks/streamer_bench/stats.py).
 DEFAULT_REPEAT = 10
 DISTRIBUTIONS = {
     "streamer": ["streamer-weights"],
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         metavar="N",
         help="N processes in a gloo group (group=) against the same N loading independently, "
-        "interleaved; replaces the loader comparison (streamer/bench/ranks.py)",
+        "interleaved; replaces the loader comparison (benchmarks/streamer_bench/ranks.py)",
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     return p
@@ -302,7 +302,7 @@ def _baseline_problem(python: str) -> str | None:
     """Why ``python`` cannot run the baseline's child (None: it can)."""
     try:
         proc = subprocess.run(
-            [python, "-c", runner.CWD_OFF_PATH + "import streamer.bench.child"],
+            [python, "-c", runner.CWD_OFF_PATH + "import streamer_bench.child"],
             capture_output=True,
             text=True,
             env=runner.child_env({}, own_package=False),
@@ -312,7 +312,7 @@ def _baseline_problem(python: str) -> str | None:
         return f"cannot run it ({exc})"
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        return f"it has no streamer.bench installed ({tail[0]})"
+        return f"it has no streamer_bench installed ({tail[0]})"
     return None
 
 
@@ -368,8 +368,8 @@ def obtain_checkpoint(
     }
     if args.upload is None:
         return resolve(str(made.index)), info
-    from streamer.bench import s3peers
     from streamer.config import S3Config
+    from streamer_bench import s3peers
 
     progress(f"uploading the checkpoint to {args.upload} (objects of the right size are kept)")
     try:
@@ -484,10 +484,10 @@ def run_sections(
             if args.ceilings and state != "remote":
 
                 def prepare(state: str = state) -> None:
-                    if state == "cold" and cache.make_cold(checkpoint.files):
-                        raise cache.CacheStateError("eviction left pages resident")
-                    if state == "warm" and cache.make_warm(checkpoint.files):
-                        raise cache.CacheStateError("files could not be fully cached")
+                    if state == "cold" and pagecache.make_cold(checkpoint.files):
+                        raise pagecache.CacheStateError("eviction left pages resident")
+                    if state == "warm" and pagecache.make_warm(checkpoint.files):
+                        raise pagecache.CacheStateError("files could not be fully cached")
 
                 modes = ("buffered", "direct") if state == "cold" else ("buffered",)
                 found = ceilings.storage_ceilings(
@@ -608,7 +608,7 @@ def document(
 
 
 def _rank_bench(args: argparse.Namespace, checkpoint: Checkpoint, progress: Progress) -> int:
-    from streamer.bench import ranks
+    from streamer_bench import ranks
 
     keep = args.streamer_api == "load"
     doc = ranks.bench(checkpoint, args.ranks, args.repeat, args.states, progress, keep=keep)
@@ -621,8 +621,8 @@ def _rank_bench(args: argparse.Namespace, checkpoint: Checkpoint, progress: Prog
 
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
-    if given[:1] == ["vllm"]:  # the vLLM cold-start subcommand (streamer/bench/vllm_bench.py)
-        from streamer.bench.vllm_bench import main as vllm_main
+    if given[:1] == ["vllm"]:  # the vLLM cold-start subcommand (benchmarks/streamer_bench/vllm_bench.py)
+        from streamer_bench.vllm_bench import main as vllm_main
 
         return vllm_main(given[1:])
     args = parse_args(argv)
@@ -651,8 +651,8 @@ def _bench(args: argparse.Namespace, argv: Sequence[str] | None, progress: Progr
             return 1
         try:
             if not checkpoint.remote:
-                cache.resident_bytes(checkpoint.files)
-        except cache.CacheStateError as exc:
+                pagecache.resident_total(checkpoint.files)
+        except pagecache.CacheStateError as exc:
             print(f"streamer-bench: error: {exc}", file=sys.stderr)
             return 1
         if args.ranks is not None:
@@ -669,7 +669,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str] | None, progress: Progr
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
         progress(f"wrote {args.json}")
     if args.plot is not None:
-        from streamer.bench.plot import plot
+        from streamer_bench.plot import plot
 
         plot(doc, args.plot)
         progress(f"wrote {args.plot}")

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from streamer.bench import cache
-from streamer.bench.units import format_bytes, parse_size, positive_int
+from streamer_bench import pagecache
+from streamer_bench.units import format_bytes, parse_size, positive_int
 
 SCHEMA_ID = "streamer-bench-vllm/1"
 SCHEMA_PATH = Path(__file__).with_name("vllm_schema.json")
@@ -334,7 +334,7 @@ def run_all(
             for fmt in formats:
                 n += 1
                 run: dict[str, Any] = {"repeat": r, "valid": False, "error": None}
-                resident = cache.make_cold(files)
+                resident = pagecache.make_cold(files)
                 run["resident_before_bytes"] = resident
                 if resident:
                     run["error"] = f"not cold: {resident} bytes still resident after eviction"
@@ -523,8 +523,8 @@ def main(argv: Sequence[str]) -> int:
         parser.error(f"--model {args.model}: no *.safetensors file in it")
     args.model = args.model.resolve()
     try:
-        cache.resident_bytes(files)
-    except cache.CacheStateError as exc:
+        pagecache.resident_total(files)
+    except pagecache.CacheStateError as exc:
         print(f"streamer-bench vllm: error: {exc}", file=sys.stderr)
         return 1
     with tempfile.TemporaryDirectory(prefix="streamer-bench-vllm-") as scratch:

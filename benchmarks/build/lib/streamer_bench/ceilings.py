@@ -1,0 +1,302 @@
+"""What the machine allows, measured in the same run: the figures a loader is divided by.
+
+- sequential reads of the checkpoint's own files, buffered and O_DIRECT, 1..8 parallel
+  readers, the best median of ``--repeat`` runs (``fio`` when it is on PATH, else a threaded
+  ``pread`` reader in Python);
+- ``memcpy`` into memory that is already touched (numpy, one thread; torch, all threads);
+- first touch of fresh anonymous memory (MAP_PRIVATE), 4 KiB pages and transparent huge pages;
+- pinned host-to-device copy when CUDA is present;
+- S3 sources: plain boto3 ranged GETs through the same endpoint (the boto3 loader's runs, timed
+  interleaved with the loaders'); the local read ceilings do not apply there.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamer_bench.runner import Config
+from streamer_bench.units import gbps
+
+JOB_COUNTS = (1, 2, 4, 8)
+READ_BLOCK = 1 << 20
+_DIRECT_ALIGN = 4096
+_LOCAL_READS = ("read_buffered", "read_direct")
+
+
+@dataclass
+class Ceiling:
+    """One reference figure: its best rate and how it was obtained."""
+
+    # read_buffered | read_direct | s3_ranged_get | memcpy | first_touch | first_touch_hugepage | h2d_pinned
+    name: str
+    cache: str | None  # cold | warm | remote for reads, None for memory
+    gbps: float | None
+    method: str  # fio | python | boto3 | numpy | torch | mmap | none
+    detail: str
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+
+
+# --- storage ---
+
+
+def _slices(files: Sequence[Path], jobs: int, direct: bool) -> list[list[tuple[Path, int, int]]]:
+    """Waves of (file, offset, length) jobs, ``jobs`` at a time, together covering every file."""
+    sizes = [f.stat().st_size for f in files]
+    if jobs < len(files):  # fewer readers than files: whole files, ``jobs`` at a time
+        pieces = [(f, 0, s) for f, s in zip(files, sizes, strict=True)]
+        waves = [pieces[i : i + jobs] for i in range(0, len(pieces), jobs)]
+    else:  # readers spread over files in proportion to their size, at least one each
+        share = [1] * len(files)
+        for _ in range(jobs - len(files)):
+            share[max(range(len(files)), key=lambda i: sizes[i] / share[i])] += 1
+        wave: list[tuple[Path, int, int]] = []
+        for f, size, k in zip(files, sizes, share, strict=True):
+            step = -(-size // k // READ_BLOCK) * READ_BLOCK or READ_BLOCK
+            wave += [(f, off, min(step, size - off)) for off in range(0, size, step)]
+        waves = [wave]
+    if direct:  # O_DIRECT lengths must be block multiples; the dropped tail is under 4 KiB per job
+        waves = [[(f, o, n // _DIRECT_ALIGN * _DIRECT_ALIGN) for f, o, n in w] for w in waves]
+    return [[p for p in w if p[2] > 0] for w in waves]
+
+
+def _fio_jobfile(waves: list[list[tuple[Path, int, int]]], direct: bool) -> str:
+    lines = [
+        "[global]",
+        "rw=read",
+        f"bs={READ_BLOCK}",
+        "ioengine=psync",
+        f"direct={int(direct)}",
+        "invalidate=0",  # the caller decides what is cached
+        "",
+    ]
+    n = 0
+    for wave in waves:
+        for i, (path, offset, length) in enumerate(wave):
+            name = str(path).replace(":", "\\:")
+            lines += [f"[r{n}]", f"filename={name}", f"offset={offset}", f"size={length}"]
+            if i == 0 and n > 0:
+                lines.append("stonewall")
+            lines.append("")
+            n += 1
+    return "\n".join(lines)
+
+
+def _fio_rate(waves: list[list[tuple[Path, int, int]]], direct: bool) -> tuple[int, float]:
+    """Bytes and seconds of one fio run (seconds summed over waves, each its slowest job)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".fio", delete=False) as fh:
+        fh.write(_fio_jobfile(waves, direct))
+    try:
+        out = subprocess.run(
+            ["fio", "--output-format=json", fh.name], capture_output=True, text=True, check=True, timeout=1800
+        ).stdout
+    finally:
+        os.unlink(fh.name)
+    report = json.loads(out[out.index("{") :])
+    nbytes, per_group = 0, {}  # type: tuple[int, dict[int, float]]
+    for job in report["jobs"]:
+        nbytes += int(job["read"]["io_bytes"])
+        group = int(job["groupid"])
+        per_group[group] = max(per_group.get(group, 0.0), float(job["read"]["runtime"]) / 1000)
+    return nbytes, sum(per_group.values())
+
+
+def _aligned_buffer(size: int) -> mmap.mmap:
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def _python_rate(waves: list[list[tuple[Path, int, int]]], direct: bool) -> tuple[int, float]:
+    """The same plan read by one thread per job with ``preadv`` into an aligned 1 MiB buffer."""
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    errors: list[BaseException] = []
+    done = [0]
+    lock = threading.Lock()
+
+    def read(path: Path, offset: int, length: int) -> None:
+        try:
+            buffer = _aligned_buffer(READ_BLOCK)
+            fd = os.open(path, flags)
+            try:
+                end, n = offset + length, 0
+                while offset < end:
+                    got = os.preadv(fd, [memoryview(buffer)[: min(READ_BLOCK, end - offset)]], offset)
+                    if got <= 0:
+                        break
+                    offset += got
+                    n += got
+            finally:
+                os.close(fd)
+                buffer.close()
+            with lock:
+                done[0] += n
+        except BaseException as exc:  # re-raised in the caller's thread
+            errors.append(exc)
+
+    seconds = 0.0
+    for wave in waves:
+        threads = [threading.Thread(target=read, args=piece) for piece in wave]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds += time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return done[0], seconds
+
+
+def storage_ceilings(
+    files: Sequence[Path],
+    cache: str,
+    prepare: Callable[[], None],
+    *,
+    modes: Sequence[str] = ("buffered", "direct"),
+    use_fio: bool = True,
+    repeat: int = 1,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Ceiling]:
+    """Sequential read rate per mode: the best, over 1..8 readers, of the median of ``repeat``
+    runs (rounds interleave the reader counts); ``prepare`` resets the cache state, and a sample
+    it fails (a ``RuntimeError``, such as ``CacheStateError``) is recorded as that sample's error.
+
+    A median, not the best single run: on shared VMs one cold run in several is 2-3x the others,
+    and a ceiling picked from single samples would measure that luck, not the storage.
+    """
+    method = "fio" if use_fio and shutil.which("fio") else "python"
+    rate = _fio_rate if method == "fio" else _python_rate
+    out: list[Ceiling] = []
+    for mode in modes:
+        direct = mode == "direct"
+        ceiling = Ceiling(f"read_{mode}", cache, None, method, "")
+        rates: dict[int, list[float]] = {jobs: [] for jobs in JOB_COUNTS}
+        for run in range(1, repeat + 1):
+            for jobs in JOB_COUNTS:
+                progress(f"{cache} read ceiling: {method} {mode}, {jobs} job(s), run {run}/{repeat}")
+                try:
+                    prepare()
+                    nbytes, seconds = rate(_slices(files, jobs, direct), direct)
+                except (OSError, RuntimeError, subprocess.SubprocessError, ValueError, KeyError) as exc:
+                    ceiling.samples.append({"jobs": jobs, "error": str(exc)[:300]})
+                    continue
+                value = gbps(nbytes, seconds) if seconds > 0 else None
+                ceiling.samples.append({"jobs": jobs, "bytes": nbytes, "seconds": seconds, "gbps": value})
+                if value is not None:
+                    rates[jobs].append(value)
+        for jobs, values in rates.items():
+            median = statistics.median(values) if values else None
+            if median is not None and (ceiling.gbps is None or median > ceiling.gbps):
+                ceiling.gbps = median
+                ceiling.detail = (
+                    f"{jobs} job(s), {READ_BLOCK >> 20} MiB reads, median of {len(values)} "
+                    f"(min-max {min(values):.2f}-{max(values):.2f})"
+                )
+        if ceiling.gbps is None:
+            ceiling.error = "; ".join(str(s.get("error", "too fast to time")) for s in ceiling.samples)
+        out.append(ceiling)
+    return out
+
+
+def remote_ceilings(boto3_configs: Sequence[Config]) -> list[Ceiling]:
+    """S3 sources: the boto3 loader's best setting (bytes over its median run) as the ranged-GET
+    ceiling; the local read ceilings listed as not applicable, so a reader sees why they are absent."""
+    ceiling = Ceiling("s3_ranged_get", "remote", None, "boto3", "")
+    for config in boto3_configs:
+        valid = [r for r in config.runs if r.valid and r.seconds and r.bytes]
+        if not valid:
+            continue
+        median = statistics.median(r.seconds or 0.0 for r in valid)
+        nbytes = max(r.bytes or 0 for r in valid)
+        value = gbps(nbytes, median)
+        setting = config.setting.label
+        ceiling.samples.append({"setting": setting, "bytes": nbytes, "median_s": median, "gbps": value})
+        if ceiling.gbps is None or value > ceiling.gbps:
+            ceiling.gbps = value
+            ceiling.detail = f"{'; '.join(valid[0].notes)}; median of {len(valid)} run(s)"
+    if ceiling.gbps is None:
+        ceiling.error = "not measured: boto3 did not run (not asked for with --loaders, skipped or failed)"
+    local = "not applicable: the checkpoint is on S3, there are no local files to read"
+    return [ceiling, *(Ceiling(name, "remote", None, "none", "", error=local) for name in _LOCAL_READS)]
+
+
+# --- memory ---
+
+
+def _best_seconds(run: Callable[[], object], repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memcpy_ceiling(size: int) -> Ceiling:
+    """Copy into touched memory: numpy (one thread) and torch (all threads); the faster one."""
+    import numpy as np
+    import torch
+
+    src = np.ones(size, dtype=np.uint8)
+    dst = np.empty(size, dtype=np.uint8)
+    dst.fill(0)  # touched: page faults are the first-touch ceiling's business, not this one's
+    tsrc, tdst = torch.from_numpy(src), torch.from_numpy(dst)
+    rates = {
+        ("numpy", 1): gbps(size, _best_seconds(lambda: np.copyto(dst, src))),
+        ("torch", torch.get_num_threads()): gbps(size, _best_seconds(lambda: tdst.copy_(tsrc))),
+    }
+    (method, threads), best = max(rates.items(), key=lambda item: item[1])
+    samples: list[dict[str, Any]] = [{"method": m, "threads": t, "gbps": r} for (m, t), r in rates.items()]
+    detail = f"{size >> 20} MiB, {threads} thread(s), best of 3"
+    return Ceiling("memcpy", None, best, method, detail, samples)
+
+
+def first_touch_ceiling(size: int, hugepage: bool) -> Ceiling:
+    """Writing one byte per 4 KiB page of a fresh MAP_PRIVATE anonymous mapping (one thread)."""
+    import numpy as np
+
+    def once() -> float:
+        region = _aligned_buffer(size)
+        if hugepage:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        view = np.frombuffer(region, dtype=np.uint8)
+        start = time.perf_counter()
+        view[::4096] = 1
+        seconds = time.perf_counter() - start
+        del view
+        region.close()
+        return seconds
+
+    seconds = min(once() for _ in range(3))
+    name = "first_touch_hugepage" if hugepage else "first_touch"
+    pages = "MADV_HUGEPAGE" if hugepage else "4 KiB pages"
+    return Ceiling(name, None, gbps(size, seconds), "mmap", f"{size >> 20} MiB, {pages}, 1 thread, best of 3")
+
+
+def h2d_ceiling(size: int, device: str) -> Ceiling:
+    """Pinned host buffer to ``device``, one large copy, best of 3."""
+    import torch
+
+    src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(size, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    return Ceiling(
+        "h2d_pinned", None, gbps(size, _best_seconds(copy)), "torch", f"{size >> 20} MiB pinned -> {device}"
+    )

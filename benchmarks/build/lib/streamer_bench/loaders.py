@@ -1,0 +1,174 @@
+"""The loaders we compare: what each needs installed, which knobs it has, how each setting runs.
+
+Parent-side only: nothing here imports a loader. ``child`` does the loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALL_LOADERS = ("streamer", "safetensors", "runai", "fastsafetensors", "instanttensor", "tensorizer", "boto3")
+# streamer as another interpreter has it installed (--baseline PYTHON, e.g. the previous commit's
+# venv), run like a peer so that an A/B of two versions is paired by round in one run.
+BASELINE = "baseline"
+RUNAI_DEFAULT_STRATEGY = "default"  # RUNAI_STREAMER_FS_STRATEGY unset: io_uring + O_DIRECT in 0.17
+RUNAI_STRATEGIES = (RUNAI_DEFAULT_STRATEGY, "sync_buffered")
+SAFETENSORS_BACKENDS = ("mmap", "pread")
+
+# Environment variables a setting controls; removed from the child's environment unless the
+# setting sets them, so a stray export in the user's shell cannot skew a "default" run.
+CONTROLLED_ENV = (
+    "RUNAI_STREAMER_CONCURRENCY",
+    "RUNAI_STREAMER_FS_STRATEGY",
+    "STREAMER_CONCURRENCY",
+    "STREAMER_S3_CONCURRENCY",
+)
+
+
+@dataclass(frozen=True)
+class LoaderInfo:
+    """Static facts about one loader."""
+
+    name: str
+    module: str  # must import for the loader to count as installed
+    pip: str  # how to install it
+    concurrency_knob: str | None  # what --sweep concurrency sets, in words
+    cuda_only: bool
+    description: str
+    # S3 sources: the extra modules reading s3:// needs (None: local files only) and their install
+    s3_modules: tuple[str, ...] | None = None
+    s3_pip: str | None = None
+    s3_only: bool = False  # a reference for S3 sources, not a loader of local files
+
+
+LOADERS: dict[str, LoaderInfo] = {
+    info.name: info
+    for info in (
+        LoaderInfo(
+            "streamer",
+            "streamer",
+            "pip install streamer-weights",
+            "StreamerConfig(concurrency=N), S3Config(concurrency=N) for s3://",
+            False,
+            "streamer.load(source, device, config)",
+            ("aiobotocore", "boto3"),
+            "pip install aiobotocore boto3",
+        ),
+        LoaderInfo(
+            "safetensors",
+            "safetensors",
+            "pip install safetensors",
+            None,
+            False,
+            "safetensors.torch.load_file per shard; mmap views cloned into owned memory; "
+            "s3://: boto3 download_file of each shard to $TMPDIR first (timed)",
+            ("boto3",),
+            "pip install boto3",
+        ),
+        LoaderInfo(
+            "runai",
+            "runai_model_streamer",
+            "pip install runai-model-streamer",
+            "RUNAI_STREAMER_CONCURRENCY=N",
+            False,
+            "SafetensorsStreamer.stream_files(all shards) + get_tensors()",
+            ("runai_model_streamer_s3",),
+            "pip install runai-model-streamer-s3",
+        ),
+        LoaderInfo(
+            "fastsafetensors",
+            "fastsafetensors",
+            "pip install fastsafetensors",
+            "max_threads=N",
+            False,
+            "SafeTensorsFileLoader(nogds=True).copy_files_to_device()",
+        ),
+        LoaderInfo(
+            "instanttensor",
+            "instanttensor",
+            "pip install instanttensor",
+            None,
+            True,
+            "instanttensor.safe_open(all shards).tensors(), each tensor cloned",
+        ),
+        LoaderInfo(
+            "tensorizer",
+            "tensorizer",
+            "pip install tensorizer",
+            "num_readers=N",
+            False,
+            "TensorDeserializer(converted .tensors file, num_readers); conversion untimed",
+        ),
+        LoaderInfo(
+            "boto3",
+            "boto3",
+            "pip install boto3",
+            "N connections (threads)",
+            False,
+            "plain boto3 16 MiB ranged GETs into fresh anonymous memory: the S3 ceiling, not a loader",
+            (),
+            None,
+            s3_only=True,
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configuration of one loader; ``knobs`` is empty for its defaults."""
+
+    loader: str
+    knobs: tuple[tuple[str, str | int], ...] = field(default=())
+    python: str | None = None  # the interpreter of the baseline setting; None: this one
+
+    @property
+    def child_loader(self) -> str:
+        """What the child loads: the baseline is streamer, from its own interpreter's install."""
+        return "streamer" if self.loader == BASELINE else self.loader
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.knobs) or "default"
+
+    def knob(self, name: str) -> str | int | None:
+        return dict(self.knobs).get(name)
+
+    def environment(self) -> dict[str, str]:
+        """Process-global variables this setting needs in the child."""
+        env: dict[str, str] = {}
+        if self.loader == "runai":
+            concurrency = self.knob("concurrency")
+            strategy = self.knob("strategy")
+            if concurrency is not None:
+                env["RUNAI_STREAMER_CONCURRENCY"] = str(concurrency)
+            if strategy is not None and strategy != RUNAI_DEFAULT_STRATEGY:
+                env["RUNAI_STREAMER_FS_STRATEGY"] = str(strategy)
+        return env
+
+
+def settings_for(
+    loader: str,
+    concurrency: list[int],
+    runai_strategies: list[str],
+    safetensors_backends: list[str],
+) -> list[Setting]:
+    """Every setting of ``loader`` to run: its defaults, then each swept value (and strategy)."""
+    levels: list[tuple[tuple[str, str | int], ...]] = [()]
+    if LOADERS[loader].concurrency_knob is not None:
+        levels += [(("concurrency", c),) for c in concurrency]
+    if loader == "runai":
+        return [
+            Setting(loader, level + ((("strategy", s),) if s != RUNAI_DEFAULT_STRATEGY else ()))
+            for s in runai_strategies
+            for level in levels
+        ]
+    if loader == "safetensors":
+        return [Setting(loader, (("backend", b),) if b != "mmap" else ()) for b in safetensors_backends]
+    return [Setting(loader, level) for level in levels]
+
+
+def default_loaders(remote: bool) -> list[str]:
+    """``--loaders`` when not given: every loader, and the boto3 reference for S3 sources only
+    (local sources have their own read ceilings)."""
+    return [name for name in ALL_LOADERS if remote or not LOADERS[name].s3_only]

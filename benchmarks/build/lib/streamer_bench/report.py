@@ -1,0 +1,277 @@
+"""Statistics over runs, the table people read, and the JSON document ``schema.json`` describes.
+
+"vs streamer" is a row's median time divided by streamer's at its default setting (streamer's
+best when the default did not run): above 1 streamer is faster, below 1 the row is, the same
+direction as the paired verdicts (peer's time over streamer's, per round).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from streamer_bench import stats
+from streamer_bench.ceilings import Ceiling
+from streamer_bench.runner import Config, Run
+from streamer_bench.units import format_bytes, gbps
+
+SCHEMA_ID = "streamer-bench/1"
+GIB = 1 << 30
+SCHEMA_PATH = Path(__file__).with_name("schema.json")  # JSON Schema of the --json document
+
+
+def summarize(config: Config) -> dict[str, Any]:
+    """One result object: the runs and their median, min, max, GB/s and peak RSS."""
+    valid = [r for r in config.runs if r.valid and r.seconds is not None]
+    seconds = [r.seconds for r in valid if r.seconds is not None]
+    nbytes = max((r.bytes or 0 for r in valid), default=None)
+    median = statistics.median(seconds) if seconds else None
+    if valid:
+        status = "ok"
+    elif any(r.error and r.error.startswith("not ") for r in config.runs):
+        status = "refused"  # the cache state could not be reached or verified
+    else:
+        status = "failed"
+    rss = [r.peak_rss_bytes for r in valid if r.peak_rss_bytes is not None]
+    faults = [r.minor_faults for r in valid if r.minor_faults is not None]
+    cpu = [r.cpu_seconds for r in valid if r.cpu_seconds is not None]
+    median_faults = statistics.median(faults) if faults else None
+    return {
+        "loader": config.setting.loader,
+        "setting": config.setting.label,
+        "knobs": dict(config.setting.knobs),
+        "environment": config.setting.environment(),
+        "status": status,
+        "valid_runs": len(valid),
+        "bytes": nbytes,
+        "median_s": median,
+        "min_s": min(seconds) if seconds else None,
+        "max_s": max(seconds) if seconds else None,
+        "gbps": gbps(nbytes, median) if median and nbytes else None,
+        "ratio_vs_streamer": None,
+        "peak_rss_bytes": int(statistics.median(rss)) if rss else None,
+        "minor_faults": median_faults,
+        "faults_per_gib": median_faults / (nbytes / GIB) if median_faults is not None and nbytes else None,
+        "cpu_s": statistics.median(cpu) if cpu else None,
+        "runs": [_run_json(r) for r in config.runs],
+    }
+
+
+def _run_json(run: Run) -> dict[str, Any]:
+    return asdict(run)
+
+
+def _reference(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    ours = [r for r in results if r["loader"] == "streamer" and r["gbps"]]
+    default = [r for r in ours if r["setting"] == "default"]
+    return (default or sorted(ours, key=lambda r: r["median_s"]))[0] if ours else None
+
+
+def _best_results(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each loader's result at its setting with the lowest median, in first-seen loader order."""
+    best: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if r["median_s"] is None:
+            continue
+        current = best.get(r["loader"])
+        if current is None or r["median_s"] < current["median_s"]:
+            best[r["loader"]] = r
+    return list(best.values())
+
+
+_SUMMARY_KEYS = (
+    "loader",
+    "setting",
+    "bytes",
+    "median_s",
+    "min_s",
+    "max_s",
+    "gbps",
+    "ratio_vs_streamer",
+    "peak_rss_bytes",
+    "faults_per_gib",
+    "cpu_s",
+)
+
+
+def _by_round(result: dict[str, Any], measure: str) -> dict[int, float]:
+    """A run's ``measure`` (``seconds`` or ``cpu_seconds``) per round, for the valid runs that have it."""
+    return {run["repeat"]: run[measure] for run in result["runs"] if run["valid"] and run[measure]}
+
+
+def comparisons(reference: dict[str, Any], best: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamer's reference setting against each peer at its best setting, paired by round: wall
+    seconds, and under ``cpu`` the CPU seconds, which show the work a storage-bound clock hides."""
+    our_seconds, our_cpu = _by_round(reference, "seconds"), _by_round(reference, "cpu_seconds")
+    out = []
+    for peer in best:
+        if peer["loader"] == "streamer":
+            continue
+        paired = asdict(stats.compare(our_seconds, _by_round(peer, "seconds")))
+        cpu = asdict(stats.compare(our_cpu, _by_round(peer, "cpu_seconds")))
+        out.append({"loader": peer["loader"], "setting": peer["setting"], **paired, "cpu": cpu})
+    return out
+
+
+def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) -> dict[str, Any]:
+    """A cache-state section: every setting's result, each loader's best, the paired verdicts
+    against each peer at its best, the read ceilings."""
+    results = [summarize(c) for c in configs]
+    reference = _reference(results)
+    if reference is not None:
+        for r in results:
+            if r["gbps"]:
+                r["ratio_vs_streamer"] = reference["gbps"] / r["gbps"]
+    best = _best_results(results)
+    return {
+        "cache": state,
+        "reference": {"loader": "streamer", "setting": reference["setting"]} if reference else None,
+        "results": results,
+        "best": [{k: r[k] for k in _SUMMARY_KEYS} for r in best],
+        "comparisons": comparisons(reference, best) if reference is not None else [],
+        "ceilings": [asdict(c) for c in ceilings],
+    }
+
+
+# --- the table ---
+
+_HEADER = (
+    "loader",
+    "setting",
+    "median s",
+    "min-max s",
+    "GB/s",
+    "vs streamer",
+    "peak RSS",
+    "faults/GiB",
+    "CPU s",
+)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _row(r: dict[str, Any]) -> tuple[str, ...]:
+    if r.get("status", "ok") != "ok":
+        first_error = next((run["error"] for run in r.get("runs", []) if run["error"]), "")
+        return (r["loader"], r["setting"], r["status"].upper(), str(first_error)[:60], "", "", "", "", "")
+    span = f"{r['min_s']:.3f}-{r['max_s']:.3f}"
+    ratio = _fmt(r["ratio_vs_streamer"], ".2f") + ("x" if r["ratio_vs_streamer"] is not None else "")
+    rss = format_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] is not None else "—"
+    faults = _fmt(r["faults_per_gib"], ",.0f")
+    cpu = _fmt(r["cpu_s"], ".2f")
+    gbps_text = _fmt(r["gbps"], ".2f")
+    return (r["loader"], r["setting"], f"{r['median_s']:.3f}", span, gbps_text, ratio, rss, faults, cpu)
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in (_HEADER, *rows)) for i in range(len(_HEADER))]
+    numeric = {2, 3, 4, 5, 6, 7, 8}
+
+    def line(row: tuple[str, ...]) -> str:
+        cells = [
+            c.rjust(w) if i in numeric else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        return "  ".join(cells).rstrip()
+
+    return [line(_HEADER), line(tuple("-" * w for w in widths)), *(line(r) for r in rows)]
+
+
+def _paired_text(c: dict[str, Any]) -> str:
+    interval = f" [{c['low']:.2f}, {c['high']:.2f}]" if c["low"] is not None else ""
+    return f"{c['ratio']:.2f}x{interval}"
+
+
+def _comparison_line(c: dict[str, Any]) -> str:
+    peer = f"{c['loader']} {c['setting']}"
+    if c["ratio"] is None:
+        return f"  {peer}: no round where both ran"
+    rounds = f"{c['rounds']} round{'s' if c['rounds'] != 1 else ''}"
+    line = f"  {peer}: {_paired_text(c)} over {rounds}: {c['verdict'].upper()}"
+    cpu = c["cpu"]
+    if cpu["ratio"] is not None:
+        line += f" (CPU seconds {_paired_text(cpu)}: {cpu['verdict'].upper()})"
+    return line
+
+
+def _ceiling_line(c: dict[str, Any]) -> str:
+    value = f"{c['gbps']:.2f} GB/s" if c["gbps"] is not None else f"unavailable ({c['error']})"
+    cache = f" ({c['cache']})" if c["cache"] else ""
+    return f"  {c['name']}{cache}: {value} — {c['method']}, {c['detail']}".rstrip(", ")
+
+
+_STATES = {  # each section's heading: what was true before every run
+    "cold": "== cold cache: page cache evicted and verified empty (mincore) before every run",
+    "warm": "== warm cache: files fully resident in the page cache (verified) before every run",
+    "remote": "== remote: objects read from S3 in every run; nothing on this machine to evict "
+    "(the server side may cache)",
+}
+
+
+def render(document: dict[str, Any]) -> str:
+    """The human-readable report."""
+    ck = document["checkpoint"]
+    opts = document["options"]
+    s3 = document["machine"].get("s3")
+    where = (
+        f"S3 endpoint {s3['endpoint_host'] or 'AWS default'}"
+        if s3
+        else document["machine"]["filesystem"]["type"]
+    )
+    settle = opts.get("settle_seconds") or 0
+    settled = f", started {settle:g} s after its files were ready (this VM gives freed memory to its host)"
+    out = [
+        f"streamer-bench: {len(ck['files'])} file(s), {format_bytes(ck['tensor_bytes'])} of tensors "
+        f"({ck['tensor_count']} tensors), device {opts['device']}, {opts['repeat']} run(s) per setting, "
+        f"interleaved; each run in a fresh process{settled if settle else ''}",
+        f"source: {ck['source']} ({where})",
+    ]
+    stopped = document.get("interrupted")
+    if stopped:
+        out.append(
+            f"INTERRUPTED by {stopped['signal']} during the {stopped['during']}: "
+            "every figure below comes from the runs that finished before it"
+        )
+    for sec in document["sections"]:
+        out += ["", _STATES[sec["cache"]], *_table([_row(r) for r in sec["results"]])]
+        if sec["best"]:
+            out += [
+                "",
+                f"-- {sec['cache']}: each loader at its best setting (lowest median)",
+                *_table([_row(r) for r in sec["best"]]),
+            ]
+        if sec.get("comparisons"):
+            ref = sec["reference"]["setting"]
+            out += [
+                "",
+                f"-- {sec['cache']}: streamer {ref} vs each peer at its best, paired by round "
+                "(peer time ÷ streamer time: above 1, streamer is faster; 95% bootstrap interval; "
+                "CPU seconds paired the same way: above 1, streamer used less)",
+                *(_comparison_line(c) for c in sec["comparisons"]),
+            ]
+        if sec["ceilings"]:
+            what = (
+                "S3 ceiling (plain boto3 ranged GETs through the same endpoint, its best setting)"
+                if sec["cache"] == "remote"
+                else "storage ceilings (sequential read of the same files, best median of 1..8 jobs)"
+            )
+            out += ["", f"-- {sec['cache']}: {what}", *(_ceiling_line(c) for c in sec["ceilings"])]
+    if document["memory_ceilings"]:
+        out += ["", "-- memory ceilings"] + [_ceiling_line(c) for c in document["memory_ceilings"]]
+    for s in document["skipped"]:
+        out.append(
+            f"skipped {s['loader']}: {s['reason']}" + (f" (install: {s['install']})" if s["install"] else "")
+        )
+    ref = next((s["reference"] for s in document["sections"] if s["reference"]), None)
+    if ref:
+        out += [
+            "",
+            f"vs streamer = row median s ÷ streamer {ref['setting']} median s (above 1: streamer faster, "
+            "as in the verdicts).",
+        ]
+    return "\n".join(out)

@@ -1,0 +1,270 @@
+"""Interleaved timed runs (A B C A B C …), each in a fresh child, each after the cache state
+it claims was reached and verified ("remote" for S3 sources: nothing on this machine to reach)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from streamer.machine import free_page_reporting
+from streamer_bench import pagecache
+from streamer_bench.child import RESULT_MARK
+from streamer_bench.loaders import CONTROLLED_ENV, Setting
+from streamer_bench.units import format_bytes, gbps
+
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds ``streamer/``
+T = TypeVar("T")
+
+
+class ChildFailed(Exception):
+    """The child exited without a result line (crash, kill, timeout)."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived mid-run: the caller reports the runs that finished."""
+
+    def __init__(self, signum: int) -> None:
+        self.signal = signal.Signals(signum).name
+        self.exit_status = 128 + signum  # what the shell reports for a process the signal ended
+        self.during = ""  # what it cut short, named by whoever catches it
+        super().__init__(self.signal)
+
+
+@contextlib.contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """Within, the first SIGINT or SIGTERM raises ``Interrupted`` in the main thread, so a run cut
+    by Ctrl-C or ``timeout`` still reports what it measured; the child in flight is killed as the
+    exception passes through ``subprocess.run``. A second signal ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, str]:
+    """The parent's environment minus the knobs a setting controls, plus that setting's own.
+
+    ``own_package`` puts this streamer first on the child's path; a baseline interpreter keeps
+    the streamer it has installed instead.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in CONTROLLED_ENV}
+    if own_package:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env | extra
+
+
+# The start of every ``python -c`` a child runs: the working directory off the path (``-m`` and
+# ``-c`` put it first, and from a checkout's root that is the source tree, with no built engine,
+# not the streamer ``child_env`` chose).
+CWD_OFF_PATH = "import sys; del sys.path[0]; "
+_RUN_CHILD = CWD_OFF_PATH + "from streamer_bench.child import main; raise SystemExit(main(sys.argv))"
+
+
+def call_child(
+    request: dict[str, Any],
+    env: dict[str, str] | None = None,
+    timeout: float = 1800,
+    python: str | None = None,
+) -> dict[str, Any]:
+    """Runs ``streamer_bench.child`` with ``request`` in ``python`` (default: this interpreter);
+    returns its result object."""
+    try:
+        proc = subprocess.run(
+            [python or sys.executable, "-c", _RUN_CHILD, json.dumps(request)],
+            capture_output=True,
+            text=True,
+            env=env or child_env({}),
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise ChildFailed(f"no result after {timeout:.0f} s (killed)") from None
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            result: dict[str, Any] = json.loads(line[len(RESULT_MARK) :])
+            return result
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    raise ChildFailed(f"exit status {proc.returncode}: " + " | ".join(tail))
+
+
+@dataclass
+class Run:
+    """One timed load (or the reason there is none)."""
+
+    repeat: int
+    valid: bool
+    seconds: float | None = None
+    bytes: int | None = None
+    tensors: int | None = None
+    peak_rss_bytes: int | None = None
+    resident_before_bytes: int | None = None  # verified by the parent right before the child started
+    resident_at_start_bytes: int | None = None  # re-established and re-read by the child before its clock
+    metrics: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    minor_faults: int | None = None  # page faults inside the clock: first touch of fresh memory
+    cpu_seconds: float | None = None  # user + system CPU inside the clock, every thread
+    load_seconds: float | None = None  # the load clock: from calling the loader to the tensors
+    process_seconds: float | None = None  # the process clock: from the child's start, imports included
+
+
+@dataclass
+class Config:
+    """One loader setting and the files (paths or S3 URIs) it reads (tensorizer reads its
+    converted copy)."""
+
+    setting: Setting
+    files: list[str]
+    source: str
+    runs: list[Run] = field(default_factory=list)
+
+    @property
+    def paths(self) -> list[Path]:
+        return [Path(f) for f in self.files]
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.paths)
+
+
+# Free page reporting hands a free 2 MiB block back to the host 2 s after it is freed
+# (the kernel's PAGE_REPORTING_DELAY); a second more covers the report itself.
+DEFAULT_SETTLE = 3.0
+
+
+def default_settle() -> float:
+    """Seconds between runs: ``DEFAULT_SETTLE`` on a VM with free page reporting, else none."""
+    return DEFAULT_SETTLE if free_page_reporting() else 0.0
+
+
+def _prepare(config: Config, state: str) -> tuple[int | None, str | None]:
+    """Reaches ``state`` for the config's files: (resident bytes, reason it failed or None)."""
+    if state == "remote":  # S3: no page cache on this side to empty or fill
+        return None, None
+    if state == "cold":
+        resident = pagecache.make_cold(config.paths)
+        return resident, (f"not cold: {resident} bytes still resident after eviction" if resident else None)
+    missing = pagecache.make_warm(config.paths)
+    resident = config.file_bytes - missing
+    return resident, (f"not warm: {missing} bytes not resident after reading the files" if missing else None)
+
+
+def _check_start(run: Run, state: str, config: Config) -> None:
+    """A run whose child saw the wrong cache state at its clock's start does not count."""
+    seen = run.resident_at_start_bytes
+    if seen is None:
+        return
+    if state == "cold" and seen != 0:
+        run.valid, run.error = False, f"not cold at the start of the clock: {seen} bytes resident"
+    if state == "warm" and seen < (file_bytes := config.file_bytes):
+        run.valid, run.error = False, f"not warm at the start of the clock: {file_bytes - seen} bytes missing"
+
+
+def round_order(configs: Sequence[T], round_index: int) -> list[T]:
+    """Round 0 as given (the first figures come in the order the table lists); later rounds
+    shuffled (a fixed rotation would put each setting after the same one every round)."""
+    order = list(configs)
+    if round_index > 0:
+        random.Random(round_index).shuffle(order)
+    return order
+
+
+def run_section(
+    configs: Sequence[Config],
+    state: str,
+    repeat: int,
+    *,
+    device: str,
+    streamer_api: str,
+    timeout: float,
+    progress: Callable[[str], None],
+    clock: str = "load",
+    settle: float = 0.0,
+) -> None:
+    """``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
+    the given order, each later one shuffled (seeded, so reproducible). A run pays for the memory
+    the run before it freed (on VMs that hand free pages back to the host, by up to 4x), so no
+    setting may always follow the same neighbour, and each run starts ``settle`` seconds after the
+    files reached ``state``: long enough for such a VM to have handed back what the last run freed,
+    so every run meets memory as a server starting on an idle node does. ``clock`` (load or
+    process) says which of the child's two times is the run's ``seconds``; both are kept."""
+    total = repeat * len(configs)
+    n = 0
+    for r in range(repeat):
+        for config in round_order(configs, r):
+            n += 1
+            label = f"{config.setting.loader} {config.setting.label}"
+            resident, problem = _prepare(config, state)
+            if problem is not None:
+                config.runs.append(Run(r, False, resident_before_bytes=resident, error=problem))
+                progress(f"[{state} {n}/{total}] {label}: refused, {problem}")
+                continue
+            time.sleep(settle)
+            request = {
+                "action": "load",
+                "loader": config.setting.child_loader,
+                "knobs": dict(config.setting.knobs),
+                "files": config.files,
+                "source": config.source,
+                "device": device,
+                "streamer_api": streamer_api,
+                "cache": None if state == "remote" else state,
+            }
+            try:
+                setting = config.setting
+                env = child_env(setting.environment(), own_package=setting.python is None)
+                result = call_child(request, env, timeout, setting.python)
+            except ChildFailed as exc:
+                result = {"ok": False, "error": str(exc)}
+            if not result["ok"]:
+                run = Run(r, False, resident_before_bytes=resident, error=result["error"])
+            else:
+                run = Run(
+                    r,
+                    True,
+                    result["process_seconds" if clock == "process" else "seconds"],
+                    result["bytes"],
+                    result["tensors"],
+                    result["peak_rss_bytes"],
+                    resident,
+                    result["resident_at_start_bytes"],
+                    result["metrics"],
+                    result["notes"],
+                    minor_faults=result["minor_faults"],
+                    cpu_seconds=result["cpu_seconds"],
+                    load_seconds=result["seconds"],
+                    process_seconds=result["process_seconds"],
+                )
+                _check_start(run, state, config)
+            config.runs.append(run)
+            if run.valid and run.seconds is not None and run.bytes is not None:
+                rate = gbps(run.bytes, run.seconds)
+                progress(
+                    f"[{state} {n}/{total}] {label}: {run.seconds:.3f} s, {rate:.2f} GB/s, "
+                    f"{format_bytes(run.bytes)}, {run.minor_faults} faults, {run.cpu_seconds:.2f} CPU s"
+                )
+            else:
+                progress(f"[{state} {n}/{total}] {label}: FAILED {run.error}")

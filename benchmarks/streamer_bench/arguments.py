@@ -1,0 +1,286 @@
+"""``streamer-bench``'s command line: every option, its parsing and its checks (a bad value is a
+usage error, exit status 2, before anything runs)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from streamer_bench import runner, stats
+from streamer_bench.checkpoint import is_remote
+from streamer_bench.loaders import (
+    ALL_LOADERS,
+    RUNAI_DEFAULT_STRATEGY,
+    RUNAI_STRATEGIES,
+    SAFETENSORS_BACKENDS,
+    default_loaders,
+)
+from streamer_bench.units import nonnegative_seconds, parse_size, positive_int
+
+DEFAULT_SYNTHETIC = "1GiB"
+# Paired per-round ratios on these VMs spread ~15% around their median: 10 rounds bound the
+# median's 95% interval to about ±10%, enough to call a 15-20% lead (see benchmarks/streamer_bench/stats.py).
+DEFAULT_REPEAT = 10
+SWEEPABLE = ("concurrency",)
+
+
+# --- argument parsing: every bad value is a usage error (exit status 2) ---
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _choices(allowed: Sequence[str], what: str) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        unknown = [t for t in items if t not in allowed]
+        if not items or unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(unknown) or repr(text)}; choose from {', '.join(allowed)}"
+            )
+        return list(dict.fromkeys(items))
+
+    return parse
+
+
+def _strategies(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if not re.fullmatch(r"[a-z_]+", t)]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(f"bad strategy list {text!r} (example: default,sync_buffered)")
+    return list(dict.fromkeys(items))
+
+
+def _sweep(text: str) -> tuple[str, list[int]]:
+    key, sep, values = text.partition("=")
+    if not sep or key.strip() not in SWEEPABLE:
+        raise argparse.ArgumentTypeError(f"expected {'|'.join(SWEEPABLE)}=N,N,…, got {text!r}")
+    try:
+        numbers = [int(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sweep values must be integers, got {values!r}") from None
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"sweep values must be positive integers, got {values!r}")
+    return key.strip(), list(dict.fromkeys(numbers))
+
+
+def _device(text: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda:N, got {text!r}")
+    return "cuda:0" if text == "cuda" else text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="streamer-bench",
+        description="Cold-start load times of safetensors loaders, each run in a fresh process, "
+        "with verified page-cache eviction, interleaved repetitions and hardware ceilings.",
+        epilog="examples: streamer-bench --synthetic 4GiB --cold --warm --sweep concurrency=1,4,16; "
+        "AWS_ENDPOINT_URL=http://127.0.0.1:9000 streamer-bench --source s3://bucket/model/ "
+        "(credentials, region and endpoint from the standard AWS variables); "
+        "vLLM cold starts per load format: streamer-bench vllm --help",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--source",
+        metavar="PATH|URI",
+        help="a .safetensors file, a directory of them, or a model.safetensors.index.json; local "
+        "or on S3 (s3://bucket/prefix/, s3://bucket/key.safetensors, s3://bucket/…/index.json), "
+        "with the endpoint and credentials of the standard AWS variables",
+    )
+    src.add_argument(
+        "--synthetic",
+        metavar="SIZE",
+        type=_size,
+        help=f"generate a Llama-like bf16 checkpoint of SIZE (e.g. 4GiB; default {DEFAULT_SYNTHETIC})",
+    )
+    p.add_argument("--shards", type=positive_int, help="files of the synthetic checkpoint (default 2)")
+    p.add_argument(
+        "--upload",
+        metavar="s3://BUCKET/PREFIX/",
+        help="with --synthetic: put the generated checkpoint under this S3 prefix (the endpoint and "
+        "credentials of the standard AWS variables; objects already there with the right size are "
+        "kept) and benchmark it from there",
+    )
+    p.add_argument(
+        "--keep",
+        metavar="DIR",
+        type=Path,
+        help="generate into (or reuse from) DIR/synthetic-SIZE-SHARDS and keep it; tensorizer's converted "
+        "file is kept there too",
+    )
+    p.add_argument(
+        "--loaders",
+        type=_choices(ALL_LOADERS, "loader"),
+        help=f"comma-separated from {','.join(ALL_LOADERS)}; default: all (boto3, plain ranged GETs, "
+        "is the S3 ceiling: by default only for S3 sources)",
+    )
+    p.add_argument("--device", type=_device, default="cpu", help="cpu (default) or cuda:N")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the files before every run and verify 0 bytes resident (neither flag: both; "
+        "not for S3 sources, timed in the 'remote' state)",
+    )
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="have the files fully cached before every run (verified; not for S3 sources)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=DEFAULT_REPEAT,
+        help=f"rounds: runs per setting, interleaved (default {DEFAULT_REPEAT}); verdicts against peers "
+        f"come from per-round ratios and need at least {stats.MIN_ROUNDS} rounds",
+    )
+    p.add_argument(
+        "--settle",
+        type=nonnegative_seconds,
+        default=runner.default_settle(),
+        metavar="S",
+        help=f"seconds between a run and the next (default {runner.DEFAULT_SETTLE:g} on a VM with free page "
+        "reporting, so every run meets memory the host took back, as a server starting on an idle "
+        "node does; else 0)",
+    )
+    p.add_argument(
+        "--ceiling-repeat",
+        type=positive_int,
+        default=3,
+        help="runs per reader count of the storage ceilings (default 3; the ceiling is the best median)",
+    )
+    p.add_argument(
+        "--sweep",
+        type=_sweep,
+        metavar="concurrency=N,N,…",
+        help="extra settings for loaders with a concurrency knob, besides their default: streamer "
+        "StreamerConfig.concurrency (S3Config.concurrency for s3://), runai RUNAI_STREAMER_CONCURRENCY, "
+        "fastsafetensors max_threads, tensorizer num_readers, boto3 connections",
+    )
+    p.add_argument(
+        "--runai-strategies",
+        type=_strategies,
+        default=list(RUNAI_STRATEGIES),
+        help="RUNAI_STREAMER_FS_STRATEGY values ('default' = unset: io_uring + O_DIRECT); "
+        "default: default,sync_buffered; S3 sources: default only (a file-system knob)",
+    )
+    p.add_argument(
+        "--safetensors-backends",
+        type=_choices(SAFETENSORS_BACKENDS, "backend"),
+        default=list(SAFETENSORS_BACKENDS),
+        help="load_file backends: mmap (views, cloned) and pread (owned); default both",
+    )
+    p.add_argument(
+        "--streamer-api",
+        choices=("open", "load"),
+        default="open",
+        help="open (default): iterate streamer.open() into a dict, as load() does, and record its "
+        "metrics; load: time streamer.load() itself (no metrics). With --ranks: open streams (each "
+        "tensor dropped as it comes), load keeps every tensor on every rank, as load() does",
+    )
+    p.add_argument(
+        "--clock",
+        choices=("load", "process"),
+        default="load",
+        help="what a run's seconds are: load (default), from calling the loader until every tensor "
+        "is in owned memory; process, from the child process's start, interpreter, torch and the "
+        "loader's imports included (a server's cold start; fixed costs weigh more). Both are recorded",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="also time streamer as PYTHON has it installed (e.g. a venv of the previous commit, "
+        "`.../bin/python`), as loader 'baseline' at its default, paired by round like a peer: "
+        "an A/B of two versions in one run",
+    )
+    p.add_argument("--json", metavar="FILE", type=Path, help="write every run and fact (schema.json) to FILE")
+    p.add_argument(
+        "--plot", metavar="FILE.png", type=Path, help="bar chart with whiskers and ceilings (matplotlib)"
+    )
+    p.add_argument("--no-ceilings", dest="ceilings", action="store_false", help="skip the reference ceilings")
+    p.add_argument(
+        "--no-fio",
+        dest="fio",
+        action="store_false",
+        help="measure read ceilings in Python even if fio exists",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive_int,
+        default=1800,
+        metavar="S",
+        help="seconds one run may take (default 1800)",
+    )
+    p.add_argument(
+        "--ranks",
+        type=positive_int,
+        metavar="N",
+        help="N processes in a gloo group (group=) against the same N loading independently, "
+        "interleaved; replaces the loader comparison (benchmarks/streamer_bench/ranks.py)",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.upload is not None and (args.source is not None or not args.upload.startswith("s3://")):
+        parser.error("--upload takes an s3://bucket/prefix/ URI and goes with --synthetic, not --source")
+    remote = (args.source is not None and is_remote(args.source)) or args.upload is not None
+    if args.source is not None and remote and not args.source.startswith("s3://"):
+        parser.error(f"--source {args.source}: the only remote sources are s3://bucket/key URIs")
+    if remote and (args.cold or args.warm):
+        parser.error(
+            f"--{'cold' if args.cold else 'warm'} does not apply to an S3 source: there is no page "
+            "cache on this machine to evict or fill (S3 runs are timed in the 'remote' state)"
+        )
+    if args.source is not None and args.shards is not None:
+        parser.error("--shards only applies to --synthetic")
+    args.shards = args.shards or 2
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install matplotlib")
+    args.remote = remote
+    if remote:
+        args.states = ["remote"]
+        args.runai_strategies = [RUNAI_DEFAULT_STRATEGY]
+    else:
+        if not args.cold and not args.warm:
+            args.cold = args.warm = True
+        args.states = [s for s, wanted in (("cold", args.cold), ("warm", args.warm)) if wanted]
+    args.loaders = args.loaders or default_loaders(remote)
+    if args.baseline is not None:
+        problem = _baseline_problem(args.baseline)
+        if problem is not None:
+            parser.error(f"--baseline {args.baseline}: {problem}")
+    if args.source is None and args.synthetic is None:
+        args.synthetic = parse_size(DEFAULT_SYNTHETIC)
+    args.parser = parser
+    return args
+
+
+def _baseline_problem(python: str) -> str | None:
+    """Why ``python`` cannot run the baseline's child (None: it can)."""
+    try:
+        proc = subprocess.run(
+            [python, "-c", runner.CWD_OFF_PATH + "import streamer_bench.child"],
+            capture_output=True,
+            text=True,
+            env=runner.child_env({}, own_package=False),
+            timeout=120,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run it ({exc})"
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return f"it has no streamer_bench installed ({tail[0]})"
+    return None
