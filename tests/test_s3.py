@@ -44,8 +44,8 @@ from tls_relay import TlsRelay
 
 import streamer
 from streamer import S3Config, S3Error, S3SourceError, SourceError, StreamerConfig
-from streamer.backends import http as http_backend
-from streamer.backends.http import Proxy, ProxyError, Target, UnsupportedProxy
+from streamer.backends.http import endpoint as http_endpoint
+from streamer.backends.http.endpoint import Proxy, ProxyError, Target, UnsupportedProxy
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -516,7 +516,7 @@ def test_connect_tunnel_reaches_the_server(s3_server: str, proxy: FaultProxy) ->
     """The CONNECT handshake that https endpoints use (TLS then runs over the returned socket)."""
     target = Target.parse(f"{s3_server}/")
     host, port = proxy.endpoint_url.removeprefix("http://").split(":")
-    tunnel = asyncio.run(http_backend._tunnel(Proxy(host, int(port), None), target))
+    tunnel = asyncio.run(http_endpoint.tunnel(Proxy(host, int(port), None), target))
     try:
         tunnel.setblocking(True)
         tunnel.sendall(f"GET / HTTP/1.1\r\nHost: {target.netloc}\r\nConnection: close\r\n\r\n".encode())
@@ -531,9 +531,9 @@ def test_a_refused_tunnel_is_a_typed_error(s3_server: str, proxy: FaultProxy) ->
     target = Target.parse(f"{s3_server}/")
     host, port = proxy.endpoint_url.removeprefix("http://").split(":")
     with pytest.raises(ProxyError, match="407") as caught:
-        asyncio.run(http_backend._tunnel(Proxy(host, int(port), None), target))
+        asyncio.run(http_endpoint.tunnel(Proxy(host, int(port), None), target))
     assert caught.value.status == 407
-    assert asyncio.run(http_backend._tunnel(Proxy(host, int(port), "Basic c2VjcmV0"), target)).close() is None
+    assert asyncio.run(http_endpoint.tunnel(Proxy(host, int(port), "Basic c2VjcmV0"), target)).close() is None
 
 
 @pytest.mark.parametrize(

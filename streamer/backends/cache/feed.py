@@ -42,8 +42,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from streamer.backends.base import ExternalFeed, Named, tensor_at
 from streamer.backends.cache.store import ChunkBuffer, ChunkLock, ChunkStore, piece_bytes
-from streamer.backends.http import Connection
-from streamer.backends.s3.client import S3Client, cancel_all
+from streamer.backends.http.client import cancel_all
+from streamer.backends.http.connection import Connection
+from streamer.backends.s3.client import S3Client
 from streamer.backends.s3.uri import ObjectInfo
 from streamer.config import S3Config
 from streamer.engine import native

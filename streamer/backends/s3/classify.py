@@ -10,13 +10,9 @@ import ssl
 from collections.abc import Mapping
 from typing import Any
 
-from streamer.backends.http import (
-    HttpFailure,
-    ProtocolViolation,
-    ProxyError,
-    SizeChanged,
-    UnsupportedProxy,
-)
+from streamer.backends.http.client import Fatal, Retry
+from streamer.backends.http.endpoint import ProxyError, UnsupportedProxy
+from streamer.backends.http.response import HttpFailure, ProtocolViolation, SizeChanged
 
 _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _RETRYABLE_CODES = frozenset(
@@ -36,22 +32,6 @@ GONE_CODES = frozenset(
     {"NoSuchKey", "NoSuchBucket", "AccessDenied", "NotFound", "Forbidden", "NoCredentials"}
 )
 MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound"})
-
-
-class Retry(Exception):
-    """One try failed in a way worth another."""
-
-    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.status, self.code = reason, status, code
-
-
-class Fatal(Exception):
-    """One try failed in a way no retry can fix."""
-
-    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
-        super().__init__(reason)
-        self.reason, self.status, self.code = reason, status, code
 
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})

@@ -1,9 +1,11 @@
-"""S3 reads: one asyncio event loop on one background thread, one aiobotocore client.
+"""S3 reads: the shared HTTP object-store client (``backends/http/client.py``: the loop thread,
+retries, the data path's ``fetch_into``) with one aiobotocore client, and S3's part of the
+contract: SigV4 presigned URLs (``sign``), the ETag rule (``identity_headers``, ``verify``), S3's
+error codes (``classify.py``) and errors naming bucket and key (``error``).
 
-``S3Client`` owns the loop, its thread and the client; ``close()`` cancels what is still running,
-closes the client (and with it every connection), stops the loop and joins the thread.
-Its requests are the header reads, listings and small objects of ``storage.py`` and the data
-path's ``fetch_into`` (used by ``feeder.py``); failures are classified by ``classify.py``.
+The aiobotocore client serves the header reads, listings and small objects of ``storage.py``;
+``close()`` cancels what is still running, closes the client (and with it every connection),
+stops the loop and joins the thread.
 
 Each request is retried on throttling, 5xx, connection errors, timeouts and short bodies, for the
 bytes no verified response delivered only, with exponential backoff and full jitter, until
@@ -20,24 +22,15 @@ aiobotocore and botocore are imported only when a client is made: ``import strea
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import random
-import ssl
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from streamer.backends.http import (
-    Connection,
-    LowSpeed,
-    Target,
-    TooSlow,
-    bounded,
-    content_range,
-    ssl_context,
-)
+from streamer.backends.http.client import Fatal, ObjectStoreClient, Retry
+from streamer.backends.http.endpoint import Target
+from streamer.backends.http.response import content_range
+from streamer.backends.http.timing import LowSpeed
 from streamer.backends.optional import require_s3
 from streamer.backends.s3.classify import (
     CHANGED,
@@ -45,8 +38,6 @@ from streamer.backends.s3.classify import (
     MISSING_CODES,
     REDIRECT_CODES,
     REDIRECTS,
-    Fatal,
-    Retry,
     check_encoding,
     classify,
     if_match,
@@ -63,24 +54,6 @@ _PRESIGN_SECONDS = 3600
 _LIST_PAGE_BYTES = 1 << 20  # a ListObjectsV2 page's size bound, for its attempt deadline
 
 
-async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
-    """Cancels the tasks and waits until every one has ended.
-
-    Cancelling again until they are gone: on Python < 3.12, ``asyncio.wait_for`` can swallow a
-    cancellation that arrives as its inner future completes, and the task would then go on to
-    wait on the block queue for ever.
-    """
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=0.05)
-    for task in tasks:
-        if not task.cancelled():
-            task.exception()  # retrieved: no "exception was never retrieved" at shutdown
-
-
-@functools.cache
 def _data_loader() -> Any:
     """botocore's loader of service models and endpoints, shared by every session (it only caches
     files it parsed). Sessions and credentials stay per client."""
@@ -100,18 +73,13 @@ def _refused_config(exc: Exception, config: S3Config) -> ConfigError | None:
     return ConfigError(f"cannot make an S3 client for {where}: {type(exc).__name__}: {exc}")
 
 
-class S3Client:
+class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
     """An aiobotocore S3 client on a private event loop thread. Use as a context manager or ``close()``."""
 
     def __init__(self, config: S3Config, *, pool: int | None = None) -> None:
         require_s3()
+        super().__init__(config, "streamer-s3")
         self.config = config
-        self.requests = 0
-        self.retries = 0
-        self.bytes_fetched = 0
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="streamer-s3", daemon=True)
-        self._thread.start()
         self._context: Any = None
         self._client: Any = None
         self._targets: dict[S3Uri, tuple[Target, float]] = {}
@@ -140,10 +108,6 @@ class S3Client:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Runs ``coroutine`` on the loop and waits for its result (from any other thread)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     async def _open(self, pool: int) -> None:
         from aiobotocore.config import AioConfig
@@ -202,113 +166,57 @@ class S3Client:
         self._secrets = [*self._secrets, *found]
 
     def close(self) -> None:
-        """Cancels running requests, closes the client and its connections, stops the thread. Idempotent."""
-        if self.loop.is_closed():
-            return
-        if self._thread.is_alive():
-            try:
-                self.call(self._shutdown())
-            finally:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self._thread.join()
-        self.loop.close()
+        """Cancels running requests, closes the client (and with it every connection), stops the
+        thread. Idempotent."""
+        super().close()
         REDACTOR.remove(self._secrets)
 
-    async def _shutdown(self) -> None:
-        current = asyncio.current_task()
-        await cancel_all([t for t in asyncio.all_tasks() if t is not current])
+    async def release(self) -> None:
         context, self._context, self._client = self._context, None, None
         if context is not None:
             await context.__aexit__(None, None, None)
-        await asyncio.sleep(0)  # let closed transports run their connection_lost callbacks
 
     # --- requests (coroutines: run them on the loop) ---------------------------------------
 
-    def attempt_seconds(self, nbytes: int) -> float:
-        """How long one try for ``nbytes`` may take: the allowance, plus the bytes at the minimum rate."""
-        return self.config.attempt_allowance + nbytes / self.config.min_rate
+    def classify(self, exc: Exception) -> Retry | Fatal:
+        return classify(exc)
 
-    async def retrying(
+    def error(
         self,
-        uri: S3Uri,
+        failure: Retry | Fatal,
+        name: S3Uri,
         byte_range: tuple[int, int] | None,
-        once: Callable[[LowSpeed], Coroutine[Any, Any, T]],
+        attempts: int,
         *,
-        nbytes: int,
-        source_errors: bool = False,
-        until: float | None = None,
-    ) -> T:
-        """Runs ``once`` until it succeeds, fails for good, or runs out of tries or time.
+        reason: str,
+        source_errors: bool,
+    ) -> S3Error:
+        """``source_errors``: a missing or forbidden object raises ``S3SourceError`` (the source does
+        not resolve) rather than ``S3Error`` (it went away during the load)."""
+        where: dict[str, Any] = {
+            "bucket": name.bucket,
+            "key": name.key,
+            "byte_range": byte_range,
+            "status": failure.status,
+            "code": failure.code,
+            "attempts": attempts,
+        }
+        gone = source_errors and (
+            failure.status in (403, 404, 407, *REDIRECTS) or failure.code in GONE_CODES | REDIRECT_CODES
+        )
+        missing = failure.status == 404 or failure.code in MISSING_CODES
+        kind = (S3MissingError if missing else S3SourceError) if gone else S3Error
+        return kind(reason, **where)
 
-        Each try is cut after ``attempt_seconds(nbytes)``, and sooner by the low-speed rule: once
-        ``low_speed_window`` seconds of it moved less than ``min_rate`` per second (``once`` counts
-        what it receives into its ``LowSpeed``); a request cut so ``low_speed_tries`` times fails.
-        ``until`` (a ``time.monotonic()`` instant) cuts a try in flight and starts none after it.
-        ``source_errors``: a missing or forbidden object raises ``S3SourceError`` (the source does
-        not resolve) rather than ``S3Error`` (it went away during the load). The error is raised
-        outside any ``except`` block: its ``__context__`` holds nothing of the failed request.
-        """
-        c = self.config
-        started = time.monotonic()
-        attempts = slow_tries = 0
-        while True:
-            attempts += 1
-            speed = LowSpeed(c.min_rate, c.low_speed_window)
-            budget = self.attempt_seconds(nbytes)
-            cut_by_deadline = until is not None and until - time.monotonic() < budget
-            if until is not None:
-                budget = min(budget, until - time.monotonic())
-            failure: Retry | Fatal
-            tried = time.monotonic()
-            try:
-                if budget <= 0:
-                    raise TimeoutError
-                return await bounded(once(speed), budget, speed=speed)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                failure = classify(exc)
-                if isinstance(exc, TooSlow):
-                    slow_tries += 1
-                    failure = Retry(
-                        f"the try moved under {c.min_rate} bytes/s for {c.low_speed_window:g} s "
-                        "(S3Config.min_rate, low_speed_window)"
-                    )
-                elif isinstance(exc, TimeoutError) and time.monotonic() - tried >= budget:
-                    if cut_by_deadline:
-                        failure = Fatal(f"the load deadline of {c.load_deadline:g} s passed")
-                    else:
-                        failure = Retry(f"the try ran past its {budget:.3g} s (S3Config.min_rate)")
-            where: dict[str, Any] = {
-                "bucket": uri.bucket,
-                "key": uri.key,
-                "byte_range": byte_range,
-                "status": failure.status,
-                "code": failure.code,
-                "attempts": attempts,
-            }
-            if isinstance(failure, Fatal):
-                gone = source_errors and (
-                    failure.status in (403, 404, 407, *REDIRECTS)
-                    or failure.code in GONE_CODES | REDIRECT_CODES
-                )
-                missing = failure.status == 404 or failure.code in MISSING_CODES
-                kind = (S3MissingError if missing else S3SourceError) if gone else S3Error
-                raise kind(failure.reason, **where)
-            delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
-            out_of_time = time.monotonic() - started + delay > c.retry_deadline
-            past_until = until is not None and time.monotonic() + delay >= until
-            too_slow = slow_tries >= c.low_speed_tries
-            if attempts >= c.max_attempts or out_of_time or past_until or too_slow:
-                if past_until:
-                    why = f"gave up at the load deadline of {c.load_deadline:g} s"
-                elif too_slow:
-                    why = f"gave up after {slow_tries} tries too slow"
-                else:
-                    why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
-                raise S3Error(f"{why}: {failure.reason}", **where)
-            self.retries += 1
-            await asyncio.sleep(delay)
+    def name_of(self, obj: ObjectInfo) -> S3Uri:
+        return obj.uri
+
+    def identity_headers(self, obj: ObjectInfo) -> dict[str, str]:
+        condition = if_match(obj.etag)
+        return {"If-Match": condition} if condition else {}
+
+    def verify(self, obj: ObjectInfo, headers: Mapping[str, str]) -> bool:
+        return self._check_etag(obj, headers.get("etag"))
 
     def _check_etag(self, info: ObjectInfo, etag: str | None) -> bool:
         """Refuses a response of another object version; True when the version is proved.
@@ -436,17 +344,9 @@ class S3Client:
 
         await self.retrying(uri, (begin, end), once, nbytes=total, source_errors=source_errors)
 
-    def connection(self) -> Connection:
-        """A connection for ``fetch_into`` (one per worker; the caller closes it)."""
-        c = self.config
-        return Connection(lambda: self._ssl_context, c.connect_timeout, c.read_timeout)
-
-    @functools.cached_property
-    def _ssl_context(self) -> ssl.SSLContext:
-        return ssl_context(self.config.ca_bundle, self.config.verify)
-
-    async def _target(self, uri: S3Uri) -> Target:
+    async def sign(self, obj: ObjectInfo) -> Target:
         """The object's presigned GET URL, re-signed when half of its validity has passed."""
+        uri = obj.uri
         now = time.monotonic()
         cached = self._targets.get(uri)
         if cached is None or now - cached[1] > _PRESIGN_SECONDS / 2:
@@ -456,39 +356,6 @@ class S3Client:
             cached = (Target.parse(url), now)
             self._targets[uri] = cached
         return cached[0]
-
-    async def fetch_into(
-        self,
-        connection: Connection,
-        info: ObjectInfo,
-        begin: int,
-        end: int,
-        view: memoryview,
-        *,
-        until: float | None = None,
-    ) -> None:
-        """``read_into`` on the fast path: the body is received straight into ``view``."""
-        uri = info.uri
-        done = 0
-        condition = if_match(info.etag)
-        headers = {"If-Match": condition} if condition else {}
-
-        def verify(response_headers: Mapping[str, str]) -> bool:
-            return self._check_etag(info, response_headers.get("etag"))
-
-        async def once(speed: LowSpeed) -> None:
-            nonlocal done
-            target = await self._target(uri)
-            self.requests += 1
-            try:
-                await connection.get(
-                    target, begin + done, view[done:], headers, size=info.size, verify=verify, speed=speed
-                )
-            finally:
-                done += connection.received
-                self.bytes_fetched += connection.received
-
-        await self.retrying(uri, (begin, end), once, nbytes=end - begin, until=until)
 
     async def get_object(self, uri: S3Uri, limit: int) -> bytes:
         """A whole small object, e.g. an index file; ``S3SourceError`` when it is over ``limit`` bytes."""

@@ -13,8 +13,9 @@ import time
 from collections.abc import Sequence
 
 from streamer.backends.base import ExternalFeed
-from streamer.backends.http import Connection
-from streamer.backends.s3.client import S3Client, cancel_all
+from streamer.backends.http.client import cancel_all
+from streamer.backends.http.connection import Connection
+from streamer.backends.s3.client import S3Client
 from streamer.backends.s3.uri import ObjectInfo
 from streamer.engine import native
 from streamer.errors import S3Error

@@ -1,0 +1,302 @@
+"""The client every HTTP object store shares: its event loop thread, tries bounded in time and
+speed and retried with backoff, and ranged GETs received straight into destination memory.
+
+A store subclasses ``ObjectStoreClient`` and supplies these, nothing else:
+
+- ``sign(obj)``: where a GET of the object goes and how it is authorised (S3: a presigned URL);
+- ``identity_headers(obj)`` and ``verify(obj, headers)``: the identity rule (S3: ``If-Match`` with
+  the ETag the open saw, and the ETag of every answer compared with it);
+- ``classify(exc)``: whether a failure is worth another try (``Retry``) or not (``Fatal``);
+- ``name_of(obj)`` and ``error(failure, name, ...)``: the store's typed error naming the object;
+- ``release()``: closing what it opened on the loop (an SDK client), if anything.
+
+The range-response check (status, ``Content-Range`` exactly the bytes asked for of an object of
+the size the open saw, exact length, no encoding) is the same for every store (``response.py``).
+Errors are raised outside ``except`` blocks, so no exception of a failed request (with its signed
+headers) hangs on their chain.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import functools
+import random
+import ssl
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+from streamer.backends.http.connection import Connection, ssl_context
+from streamer.backends.http.endpoint import Target
+from streamer.backends.http.timing import LowSpeed, TooSlow, bounded
+from streamer.errors import StreamerError
+
+T = TypeVar("T")
+
+
+class Retry(Exception):
+    """One try failed in a way worth another."""
+
+    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.status, self.code = reason, status, code
+
+
+class Fatal(Exception):
+    """One try failed in a way no retry can fix."""
+
+    def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.status, self.code = reason, status, code
+
+
+class RetrySettings(Protocol):
+    """The bounds of every request (``S3Config`` has them; each store's config does)."""
+
+    @property
+    def min_rate(self) -> int: ...
+    @property
+    def attempt_allowance(self) -> float: ...
+    @property
+    def low_speed_window(self) -> float: ...
+    @property
+    def low_speed_tries(self) -> int: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def backoff_base(self) -> float: ...
+    @property
+    def backoff_max(self) -> float: ...
+    @property
+    def retry_deadline(self) -> float: ...
+    @property
+    def load_deadline(self) -> float | None: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def read_timeout(self) -> float: ...
+    @property
+    def ca_bundle(self) -> str | None: ...
+    @property
+    def verify(self) -> bool: ...
+
+
+class StoredObject(Protocol):
+    """An object as the open saw it: what a ranged GET of it is checked against."""
+
+    @property
+    def size(self) -> int: ...
+
+
+ObjectT = TypeVar("ObjectT", bound=StoredObject)
+NameT = TypeVar("NameT")
+
+
+async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Cancels the tasks and waits until every one has ended.
+
+    Cancelling again until they are gone: on Python < 3.12, ``asyncio.wait_for`` can swallow a
+    cancellation that arrives as its inner future completes, and the task would then go on to
+    wait on the block queue for ever.
+    """
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.05)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
+
+
+class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
+    """One event loop on one background thread, its requests, and their counters."""
+
+    def __init__(self, settings: RetrySettings, thread_name: str) -> None:
+        self.settings = settings
+        self.requests = 0
+        self.retries = 0
+        self.bytes_fetched = 0
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coroutine`` on the loop and waits for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def close(self) -> None:
+        """Cancels running requests, closes the store's own resources, stops the thread. Idempotent."""
+        if self.loop.is_closed():
+            return
+        if self._thread.is_alive():
+            try:
+                self.call(self._shutdown())
+            finally:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join()
+        self.loop.close()
+
+    async def _shutdown(self) -> None:
+        current = asyncio.current_task()
+        await cancel_all([t for t in asyncio.all_tasks() if t is not current])
+        await self.release()
+        await asyncio.sleep(0)  # let closed transports run their connection_lost callbacks
+
+    async def release(self) -> None:
+        """Closes what the store opened on the loop (an SDK client); called once, by ``close``."""
+
+    # --- what a store supplies ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def name_of(self, obj: ObjectT) -> NameT:
+        """What errors about ``obj`` name (S3: bucket and key)."""
+
+    @abc.abstractmethod
+    async def sign(self, obj: ObjectT) -> Target:
+        """Where a GET of ``obj`` goes, authorised."""
+
+    @abc.abstractmethod
+    def identity_headers(self, obj: ObjectT) -> dict[str, str]:
+        """Headers that make the server refuse a GET of another version of ``obj``."""
+
+    @abc.abstractmethod
+    def verify(self, obj: ObjectT, headers: Mapping[str, str]) -> bool:
+        """Refuses (raises ``Fatal``) an answer from another version of ``obj``; True when the
+        answer proved its version (a prefix of a later-broken body may then count)."""
+
+    @abc.abstractmethod
+    def classify(self, exc: Exception) -> Retry | Fatal:
+        """What a failed try means."""
+
+    @abc.abstractmethod
+    def error(
+        self,
+        failure: Retry | Fatal,
+        name: NameT,
+        byte_range: tuple[int, int] | None,
+        attempts: int,
+        *,
+        reason: str,
+        source_errors: bool,
+    ) -> StreamerError:
+        """The typed error naming ``name`` for a request that failed for good: ``failure`` is
+        fatal, or the last of a retried request (``reason`` says why it gave up).
+        ``source_errors``: a missing or forbidden object does not resolve the source."""
+
+    # --- requests (coroutines: run them on the loop) ---------------------------------------
+
+    def attempt_seconds(self, nbytes: int) -> float:
+        """How long one try for ``nbytes`` may take: the allowance, plus the bytes at the minimum rate."""
+        return self.settings.attempt_allowance + nbytes / self.settings.min_rate
+
+    async def retrying(
+        self,
+        name: NameT,
+        byte_range: tuple[int, int] | None,
+        once: Callable[[LowSpeed], Coroutine[Any, Any, T]],
+        *,
+        nbytes: int,
+        source_errors: bool = False,
+        until: float | None = None,
+    ) -> T:
+        """Runs ``once`` until it succeeds, fails for good, or runs out of tries or time.
+
+        Each try is cut after ``attempt_seconds(nbytes)``, and sooner by the low-speed rule: once
+        ``low_speed_window`` seconds of it moved less than ``min_rate`` per second (``once`` counts
+        what it receives into its ``LowSpeed``); a request cut so ``low_speed_tries`` times fails.
+        ``until`` (a ``time.monotonic()`` instant) cuts a try in flight and starts none after it.
+        """
+        c = self.settings
+        started = time.monotonic()
+        attempts = slow_tries = 0
+        while True:
+            attempts += 1
+            speed = LowSpeed(c.min_rate, c.low_speed_window)
+            budget = self.attempt_seconds(nbytes)
+            cut_by_deadline = until is not None and until - time.monotonic() < budget
+            if until is not None:
+                budget = min(budget, until - time.monotonic())
+            failure: Retry | Fatal
+            tried = time.monotonic()
+            try:
+                if budget <= 0:
+                    raise TimeoutError
+                return await bounded(once(speed), budget, speed=speed)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                failure = self.classify(exc)
+                if isinstance(exc, TooSlow):
+                    slow_tries += 1
+                    failure = Retry(
+                        f"the try moved under {c.min_rate} bytes/s for {c.low_speed_window:g} s "
+                        "(min_rate, low_speed_window)"
+                    )
+                elif isinstance(exc, TimeoutError) and time.monotonic() - tried >= budget:
+                    if cut_by_deadline:
+                        failure = Fatal(f"the load deadline of {c.load_deadline:g} s passed")
+                    else:
+                        failure = Retry(f"the try ran past its {budget:.3g} s (min_rate)")
+            if isinstance(failure, Fatal):
+                raise self.error(
+                    failure, name, byte_range, attempts, reason=failure.reason, source_errors=source_errors
+                )
+            delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
+            out_of_time = time.monotonic() - started + delay > c.retry_deadline
+            past_until = until is not None and time.monotonic() + delay >= until
+            too_slow = slow_tries >= c.low_speed_tries
+            if attempts >= c.max_attempts or out_of_time or past_until or too_slow:
+                if past_until:
+                    why = f"gave up at the load deadline of {c.load_deadline:g} s"
+                elif too_slow:
+                    why = f"gave up after {slow_tries} tries too slow"
+                else:
+                    why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
+                reason = f"{why}: {failure.reason}"
+                raise self.error(failure, name, byte_range, attempts, reason=reason, source_errors=False)
+            self.retries += 1
+            await asyncio.sleep(delay)
+
+    def connection(self) -> Connection:
+        """A connection for ``fetch_into`` (one per worker; the caller closes it)."""
+        c = self.settings
+        return Connection(lambda: self._ssl_context, c.connect_timeout, c.read_timeout)
+
+    @functools.cached_property
+    def _ssl_context(self) -> ssl.SSLContext:
+        return ssl_context(self.settings.ca_bundle, self.settings.verify)
+
+    async def fetch_into(
+        self,
+        connection: Connection,
+        obj: ObjectT,
+        begin: int,
+        end: int,
+        view: memoryview,
+        *,
+        until: float | None = None,
+    ) -> None:
+        """Bytes ``[begin, end)`` of ``obj`` received straight into ``view``; a retry asks only for
+        the bytes no verified response delivered."""
+        done = 0
+        headers = self.identity_headers(obj)
+
+        def verify(response_headers: Mapping[str, str]) -> bool:
+            return self.verify(obj, response_headers)
+
+        async def once(speed: LowSpeed) -> None:
+            nonlocal done
+            target = await self.sign(obj)
+            self.requests += 1
+            try:
+                await connection.get(
+                    target, begin + done, view[done:], headers, size=obj.size, verify=verify, speed=speed
+                )
+            finally:
+                done += connection.received
+                self.bytes_fetched += connection.received
+
+        await self.retrying(self.name_of(obj), (begin, end), once, nbytes=end - begin, until=until)
