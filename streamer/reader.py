@@ -40,7 +40,7 @@ def open_reader(
         begin, end = spans.get(unit.file, (unit.begin, unit.end))
         spans[unit.file] = (min(begin, unit.begin), max(end, unit.end))
     readers = 1
-    if storage.reads_in_engine and files:
+    if storage.delivery.engine_reads and files:
         readers = min(config.readers(), _most_blocks(units, config.block_size))
     metrics.readers = readers
     engine = native.Engine(readers, units)

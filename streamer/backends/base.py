@@ -24,6 +24,7 @@ whoever planned from the provisional one plans again (``checkpoint.confirmed``).
 from __future__ import annotations
 
 import bisect
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -141,13 +142,34 @@ class Feed(ABC):
         """Returns once nothing of this feed can write into the run's buffers. Idempotent."""
 
 
+class Delivery(enum.Enum):
+    """How a storage's bytes reach a run's memory: the one fact a run schedules by."""
+
+    ENGINE_READS = "engine reads"  # the engine's reader threads read them (it needs a pool of them)
+    STORAGE_THREADS = "storage threads"  # the storage's own threads; nothing more is assumed
+    ONE_RECEIVER = "one receiver"  # one thread (an event loop) receives every byte
+    ONE_RECEIVER_ON_GRID = "one receiver, on the grid"  # and blocks lie on the file's block_size grid
+
+    @property
+    def engine_reads(self) -> bool:
+        return self is Delivery.ENGINE_READS
+
+    @property
+    def one_receiver(self) -> bool:
+        """Fresh buffers are faulted in on another thread, ahead of the bytes."""
+        return self in (Delivery.ONE_RECEIVER, Delivery.ONE_RECEIVER_ON_GRID)
+
+    @property
+    def file_grid(self) -> bool:
+        """Blocks are cut at multiples of ``block_size`` in the file (a cache kept whole chunks)."""
+        return self is Delivery.ONE_RECEIVER_ON_GRID
+
+
 class Storage(ABC):
     """One open session with a storage. Use as a context manager or ``close()``."""
 
-    reads_in_engine = False  # True: the engine's reader threads read the bytes (it needs a pool of them)
-    one_receiver = False  # True: one thread receives every byte; fresh buffers are faulted in elsewhere
+    delivery = Delivery.STORAGE_THREADS
     read_cost = REMOTE_READ_COST  # what one more request costs (local files override it)
-    file_grid = False  # True: blocks lie on the block_size grid of file offsets (a cache kept on it)
 
     @abstractmethod
     def open(self, source: SourceLike) -> Opened:

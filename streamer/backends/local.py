@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from streamer.backends.base import (
     LOCAL_CACHED_READ_COST,
     LOCAL_READ_COST,
+    Delivery,
     Feed,
     FileIdentity,
     Front,
@@ -52,7 +53,7 @@ class LocalFile:
 class LocalStorage(Storage):
     """The local file system; holds nothing open between runs."""
 
-    reads_in_engine = True
+    delivery = Delivery.ENGINE_READS
     read_cost = LOCAL_READ_COST
 
     def __init__(self, config: StreamerConfig) -> None:

@@ -228,16 +228,15 @@ class GroupExchange:
                 region,
                 self._config,
                 request_bytes=storage.read_cost.request_bytes,
-                file_grid=storage.file_grid,
+                delivery=storage.delivery,
             )
             return Run(self._checkpoint, mine, self._config, sink, ordered=True, storage=storage)
         config = _share_config(self._config, storage, piece_bytes)
         sink = functools.partial(
             CpuSink,
             config,
-            one_receiver=storage.one_receiver,
+            delivery=storage.delivery,
             request_bytes=storage.read_cost.request_bytes,
-            file_grid=storage.file_grid,
         )
         return Run(self._checkpoint, mine, config, sink, ordered=True, storage=storage)
 

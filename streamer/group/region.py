@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
+from streamer.backends.base import Delivery
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.cpu import empty_tensor
 from streamer.engine import native
@@ -38,7 +39,7 @@ class RegionSink:
         metrics: LoadMetrics,
         *,
         request_bytes: int,
-        file_grid: bool,
+        delivery: Delivery,
     ) -> None:
         self._region: SharedRegion | None = region
         self._refs = selection.refs
@@ -51,7 +52,7 @@ class RegionSink:
             segment_bytes=SEGMENT_BYTES,
             alignment=DIRECT_IO_ALIGNMENT,
             request_bytes=request_bytes,
-            file_grid=file_grid,
+            file_grid=delivery.file_grid,
         )
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-reserve")
         self._reserved: list[Future[None]] = [

@@ -55,9 +55,8 @@ def new_run(
         cpu = functools.partial(
             CpuSink,
             config,
-            one_receiver=storage.one_receiver,
+            delivery=storage.delivery,
             request_bytes=storage.read_cost.request_bytes,
-            file_grid=storage.file_grid,
         )
         return Run(checkpoint, refs, config, cpu, ordered=ordered, storage=storage)
     staging = Staging(device, engine, functools.partial(NewMemory, device), rings)
@@ -67,7 +66,7 @@ def new_run(
 def _inline_reads(storage: Storage, config: StreamerConfig) -> bool:
     """Whether small runs may be read on the caller's thread: local files the engine would read
     by path, unless ``io_mode="direct"`` asks for O_DIRECT."""
-    return storage.reads_in_engine and config.io_mode != "direct"
+    return storage.delivery.engine_reads and config.io_mode != "direct"
 
 
 def fill(

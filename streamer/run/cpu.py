@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from streamer.backends.base import Delivery
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.cpu import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
@@ -41,9 +42,8 @@ class CpuSink:
         selection: Selection,
         metrics: LoadMetrics,
         *,
-        one_receiver: bool,
+        delivery: Delivery,
         request_bytes: int,
-        file_grid: bool = False,
     ) -> None:
         self._refs = selection.refs
         self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
@@ -59,7 +59,7 @@ class CpuSink:
             segment_bytes=segment_bytes,
             alignment=DIRECT_IO_ALIGNMENT,
             request_bytes=request_bytes,
-            file_grid=file_grid,
+            file_grid=delivery.file_grid,
         )
         self._segment_of_unit = [0] * len(self._units)
         for index, segment in enumerate(self._segments):
@@ -67,9 +67,9 @@ class CpuSink:
                 self._segment_of_unit[unit] = index
         self._budget = MemoryBudget(budget.limit)
         self._pool = BufferPool(self._budget, hugepages=config.hugepages)
-        # One thread (e.g. the S3 event loop) receives every byte (``Storage.one_receiver``):
-        # fault fresh buffers in elsewhere, ahead of the bytes (see Prefaulter).
-        self._prefaulter = Prefaulter() if one_receiver and selection.files else None
+        # One thread (e.g. the S3 event loop) receives every byte: fault fresh buffers in
+        # elsewhere, ahead of the bytes (see Prefaulter).
+        self._prefaulter = Prefaulter() if delivery.one_receiver and selection.files else None
         self._fills_pages = config.fills_pages()
         self._fill_extents: list[tuple[int, int] | None] = [None] * len(self._segments)
         self._page_fill: native.PageFill | None = None

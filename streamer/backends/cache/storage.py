@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from streamer.backends.base import (
+    Delivery,
     Feed,
     FileIdentity,
     Named,
@@ -54,10 +55,9 @@ class CachedS3Storage(Storage):
 
     # Threads copy from chunk buffers and read hits with O_DIRECT: fresh run buffers are best
     # faulted in ahead of them by the prefaulter, as for the S3 feeder's one receiving thread.
-    one_receiver = True
     # Blocks on the file's block_size grid: with block_size a multiple of chunk_bytes (both 8 MiB by
     # default) every block holds whole chunks, fetched and written straight from the run's memory.
-    file_grid = True
+    delivery = Delivery.ONE_RECEIVER_ON_GRID
 
     def __init__(self, inner: S3Storage, config: CacheConfig, endpoint: str | None) -> None:
         assert config.dir is not None

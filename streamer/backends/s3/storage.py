@@ -14,7 +14,18 @@ import asyncio
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from streamer.backends.base import Feed, FileIdentity, Front, Named, Opened, Range, Span, Storage, StoredFile
+from streamer.backends.base import (
+    Delivery,
+    Feed,
+    FileIdentity,
+    Front,
+    Named,
+    Opened,
+    Range,
+    Span,
+    Storage,
+    StoredFile,
+)
 from streamer.backends.s3.client import ClientHolder, S3Client
 from streamer.backends.s3.feeder import S3Feeder
 from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
@@ -39,7 +50,7 @@ _HEADER_REQUESTS = 32  # header GETs in flight at once
 class S3Storage(Storage):
     """An S3 endpoint as ``config`` describes it; one client, shared by the handle's runs."""
 
-    one_receiver = True  # the client's event loop thread receives every byte
+    delivery = Delivery.ONE_RECEIVER  # the client's event loop thread receives every byte
 
     def __init__(self, config: S3Config) -> None:
         self._holder = ClientHolder(config)
