@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from streamer.config_fields import parse_size
+from streamer.config.fields import parse_size
 from streamer_bench import pagecache, stats
 
 MiB = 1 << 20

@@ -11,12 +11,12 @@ import torch
 
 from streamer.backends import open_storage
 from streamer.backends.base import Storage
-from streamer.checkpoint import Checkpoint, confirmed, read_checkpoint
+from streamer.backends.sources import SourceArg, as_source
 from streamer.config import StreamerConfig
 from streamer.errors import ConfigError, KeyMismatchError, StreamerError
 from streamer.handle import Order, Streamer
+from streamer.plan.checkpoint import Checkpoint, confirmed, read_checkpoint
 from streamer.run.assembly import fill
-from streamer.sources import SourceArg, as_source
 
 if TYPE_CHECKING:  # a group load imports it (torch.distributed alone costs ~40 ms)
     import torch.distributed as dist

@@ -3,7 +3,7 @@
 ``from safetensors import safe_open`` becomes ``from streamer import safe_open``. Tensors are read
 by a ``Streamer`` handle, so local files and ``s3://`` objects take the same path and its
 ``metrics`` count every byte. ``get_slice(name)[index]`` reads only the bytes the index needs
-(see ``streamer.slicing``): a rank of a tensor-parallel group reads its shard of a weight, e.g.
+(see ``streamer.plan.slicing``): a rank of a tensor-parallel group reads its shard of a weight, e.g.
 ``[rank * k:(rank + 1) * k]`` (one contiguous read, returned as a view of it) or
 ``[:, rank * k:(rank + 1) * k]`` (the rows that cover it where the gaps between its runs cost less
 to read than another request, strided ranges where they cost more: see ``ReadCost``).
@@ -15,16 +15,16 @@ from types import TracebackType
 
 import torch
 
-from streamer import slicing
 from streamer.api import check_backend
-from streamer.checkpoint import TensorRef
+from streamer.backends.sources import SourceArg
 from streamer.config import StreamerConfig
-from streamer.destinations.cpu import MemoryBudget, allocate_buffer
+from streamer.destinations.buffers import MemoryBudget, allocate_buffer
 from streamer.errors import ConfigError, FileClosedError, MissingTensorError, PackedSliceError
 from streamer.format.safetensors import TensorEntry
 from streamer.handle import Streamer
-from streamer.readahead import KeyWalk
-from streamer.sources import SourceArg
+from streamer.plan import slicing
+from streamer.plan.checkpoint import TensorRef
+from streamer.plan.readahead import KeyWalk
 
 FRAMEWORKS = ("pt", "torch")
 
@@ -83,7 +83,7 @@ class safe_open:  # safetensors' name (a class there too), so that only the impo
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """One tensor; called for the keys in ``keys()`` order, it reads the ones that follow
-        ahead, in windows (``streamer.readahead``)."""
+        ahead, in windows (``streamer.plan.readahead``)."""
         ref = self._ref(name)
         if self._walk is None:
             self._walk = self.handle.key_walk(self.keys())

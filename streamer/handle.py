@@ -15,21 +15,21 @@ import torch
 
 from streamer.backends import open_storage
 from streamer.backends.base import ReadCost, StaleOpen
-from streamer.checkpoint import Checkpoint, TensorRef, confirmed, read_checkpoint
+from streamer.backends.sources import SourceArg, as_source
 from streamer.config import StreamerConfig
 from streamer.destinations import parse_device
+from streamer.destinations.budget import HeldTensors, over_limit_message, streaming_budget, warn_from_caller
 from streamer.destinations.ring import RingCache
 from streamer.errors import ConfigError, FileClosedError, StreamerError
 from streamer.format.safetensors import TensorEntry
-from streamer.memory import HeldTensors, over_limit_message, streaming_budget, warn_from_caller
-from streamer.progress import ByteProgress
-from streamer.readahead import MAX_WINDOW_BYTES, KeyWalk
+from streamer.observe.progress import ByteProgress
+from streamer.plan.checkpoint import Checkpoint, TensorRef, confirmed, read_checkpoint
+from streamer.plan.readahead import MAX_WINDOW_BYTES, KeyWalk
+from streamer.plan.slicing import Packing
 from streamer.run.assembly import new_run, new_tensor
 from streamer.run.driver import Run
 from streamer.run.inline import InlineRun
 from streamer.run.packed import PackedSink
-from streamer.slicing import Packing
-from streamer.sources import SourceArg, as_source
 
 if TYPE_CHECKING:  # a group load imports them (torch.distributed alone costs ~40 ms)
     import torch.distributed as dist
@@ -291,7 +291,7 @@ class Streamer:
         """Reads one tensor (all workers share it when it is large); an iteration may be under way.
 
         Called for the keys in ``keys()`` order, it reads the ones that follow ahead, in windows
-        (``streamer.readahead``).
+        (``streamer.plan.readahead``).
         """
         self._check_open()
         ref = self.checkpoint.ref(name)  # a missing name raises here, naming it

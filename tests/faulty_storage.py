@@ -28,9 +28,9 @@ from streamer.backends.base import (
     StoredFile,
     tensor_at,
 )
+from streamer.backends.sources import SourceLike, resolve
 from streamer.engine import native
 from streamer.errors import ReadError, SourceError, StreamerError
-from streamer.sources import SourceLike, resolve
 
 SCHEME = "faulty"
 _PREFIX = f"{SCHEME}://"

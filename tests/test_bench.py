@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import BENCH_ENV, bench, bench_report
 
-from streamer.machine import free_page_reporting
+from streamer.host.machine import free_page_reporting
 from streamer_bench import arguments, ceilings, pagecache, report, runner, synthetic
 from streamer_bench.checkpoint import resolve
 from streamer_bench.loaders import Setting

@@ -49,7 +49,7 @@ from streamer.backends.cache import notes
 from streamer.backends.cache import store as cache_store
 from streamer.backends.cache.store import CacheWarning
 from streamer.backends.s3.storage import S3Storage
-from streamer.safedir import Access
+from streamer.host.safedir import Access
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")

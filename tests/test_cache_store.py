@@ -21,8 +21,8 @@ from streamer.backends.cache import store as cache_store
 from streamer.backends.cache.notes import NoteOf, OpenNotes
 from streamer.backends.cache.store import HEAD_BYTES, ChunkBuffer, ChunkStore, identity, piece_bytes
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
-from streamer.safedir import Access
-from streamer.sources import ResolvedSource
+from streamer.backends.sources import ResolvedSource
+from streamer.host.safedir import Access
 
 IDENT = identity("http://127.0.0.1:9", "bucket", "m/a.safetensors", 99 << 20, '"etag-a"')
 OTHER = identity("http://127.0.0.1:9", "bucket", "m/b.safetensors", 99 << 20, '"etag-b"')

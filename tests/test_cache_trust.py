@@ -35,7 +35,7 @@ import streamer
 from streamer import CacheConfig, ConfigError, StreamerConfig
 from streamer.backends.cache.notes import NoteOf, OpenNotes
 from streamer.backends.cache.store import CacheWarning, identity
-from streamer.safedir import Access
+from streamer.host.safedir import Access
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")

@@ -27,12 +27,12 @@ from conftest import (
 
 from streamer import StreamerError
 from streamer.backends.local import LocalStorage
-from streamer.checkpoint import read_checkpoint
-from streamer.destinations.cpu import empty_tensor
+from streamer.destinations.buffers import empty_tensor
 from streamer.engine import native
-from streamer.metrics import LoadMetrics
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.checkpoint import read_checkpoint
+from streamer.plan.selection import Selection
 from streamer.run.driver import Run, Submit
-from streamer.selection import Selection
 
 
 class PeerSink:

@@ -15,9 +15,9 @@ import safetensors.torch
 import torch
 
 import streamer
-from streamer import machine as config_module
 from streamer.config import StreamerConfig
 from streamer.engine import native
+from streamer.host import machine as config_module
 
 
 @pytest.mark.parametrize(

@@ -593,7 +593,7 @@ def test_a_consumer_that_drops_each_tensor_gets_one_tensor_at_a_time(tmp_path: P
 def test_prefaulting_never_changes_bytes_written_beside_it() -> None:
     """The Prefaulter runs while the S3 loop writes into the same buffer: every byte survives,
     and close() with chunks still queued returns without running them."""
-    from streamer.destinations.cpu import MemoryBudget, Prefaulter, allocate_buffer
+    from streamer.destinations.buffers import MemoryBudget, Prefaulter, allocate_buffer
 
     size = 48 << 20
     buffer, address = allocate_buffer(size, hugepages=False, budget=MemoryBudget(None))

@@ -37,7 +37,7 @@ from streamer.config import UNLIMITED, ConfigError, MemoryLimit, StreamerConfig
 from streamer.engine import native
 from streamer.engine.blocks import Block
 from streamer.errors import ReadError
-from streamer.planner import plan_segments
+from streamer.plan.segments import plan_segments
 from streamer_bench import pagecache
 
 

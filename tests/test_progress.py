@@ -10,7 +10,7 @@ import torch
 from conftest import assert_same_dict, random_tensor, reference_load, write_checkpoint
 
 import streamer
-from streamer.progress import ByteProgress
+from streamer.observe.progress import ByteProgress
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Read-ahead for ``get_tensor`` walks (``streamer.readahead``): the safetensors idiom
+"""Read-ahead for ``get_tensor`` walks (``streamer.plan.readahead``): the safetensors idiom
 ``for k in f.keys(): f.get_tensor(k)`` reads the keys that follow in windows, not one run each.
 
 What must hold: every tensor bit-exact and its own memory, whatever the order of the calls; what is
@@ -28,11 +28,11 @@ from conftest import (
 )
 
 import streamer
-from streamer.checkpoint import TensorRef
 from streamer.config import StreamerConfig
 from streamer.errors import ReadError
 from streamer.handle import Streamer
-from streamer.readahead import MIN_WINDOW_BYTES, KeyWalk
+from streamer.plan.checkpoint import TensorRef
+from streamer.plan.readahead import MIN_WINDOW_BYTES, KeyWalk
 
 
 def _tensors(count: int = 40) -> dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ def test_windows_stay_within_the_auto_budget_of_a_host_short_of_memory(
     two of the largest tensor."""
     written = write_checkpoint(tmp_path, _tensors(), shards=2)
     largest = max(t.nbytes for t in written.tensors.values())
-    monkeypatch.setattr("streamer.memory.available_memory", lambda: 64 * KiB)
+    monkeypatch.setattr("streamer.destinations.budget.available_memory", lambda: 64 * KiB)
     spy = ReadSpy(monkeypatch)
     with streamer.safe_open(written.source, "pt", config=config()) as f:
         keys = f.keys()

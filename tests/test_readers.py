@@ -14,7 +14,7 @@ from copy_standin import StandIn
 
 import streamer
 from streamer.config import StreamerConfig
-from streamer.machine import (
+from streamer.host.machine import (
     MAX_READERS,
     MIN_READERS,
     STAGED_READERS,

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from streamer import PackedSliceError
 from streamer.backends.base import LOCAL_CACHED_READ_COST, LOCAL_READ_COST, REMOTE_READ_COST
 from streamer.engine.blocks import Unit
-from streamer.planner import align_down, align_up, plan_segments
-from streamer.slicing import MAX_RUNS, Layout, covering, is_basic, merge, pack, plan, runs_of, select
+from streamer.plan.segments import align_down, align_up, plan_segments
+from streamer.plan.slicing import MAX_RUNS, Layout, covering, is_basic, merge, pack, plan, runs_of, select
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -39,7 +39,7 @@ from streamer.backends.s3.storage import S3Storage
 from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.destinations.copy_engine import CudaCopyEngine
 from streamer.engine import native
-from streamer.planner import Span, group_spans, plan_pieces
+from streamer.plan.segments import Span, group_spans, plan_pieces
 
 SMALL_RING = 64 * KiB  # 8 slots of 8 KiB: far smaller than the largest tensors below
 

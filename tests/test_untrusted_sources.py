@@ -18,9 +18,9 @@ import torch
 from conftest import Written, assert_same_dict, random_tensor, write_checkpoint
 
 import streamer
+from streamer.backends.sources import MAX_INDEX_BYTES
 from streamer.errors import ConfigError, HeaderError, MissingFileError, SourceError, SourceTypeError
 from streamer.format.safetensors import MAX_TENSORS
-from streamer.sources import MAX_INDEX_BYTES
 
 
 def _tensors(count: int = 10, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Which files a ``--source`` means, resolved by ``streamer``'s own source resolution.
 
-Local and S3 sources alike go through ``streamer.checkpoint.open_checkpoint`` (list the directory
+Local and S3 sources alike go through ``streamer.plan.checkpoint.open_checkpoint`` (list the directory
 or prefix or read the index, then read and validate every header), so the files, their sizes and
 the tensor totals are the ones the loaders see, and a checkpoint streamer refuses is refused here.
 """
@@ -49,9 +49,9 @@ def resolve(source: str) -> Checkpoint:
     if is_remote(source) and not source.startswith("s3://"):
         raise SourceProblem(f"{source}: the only remote sources are s3://bucket/key URIs")
     # Imported here: the timed children import this module, and must not import streamer early.
-    from streamer.checkpoint import open_checkpoint
     from streamer.config import S3Config
     from streamer.errors import ConfigError, HeaderError, S3Error, SourceError
+    from streamer.plan.checkpoint import open_checkpoint
 
     try:
         opened = open_checkpoint(source, S3Config())

@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from streamer.machine import free_page_reporting
+from streamer.host.machine import free_page_reporting
 
 
 def _cpu_model() -> str | None:

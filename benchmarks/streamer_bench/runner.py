@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from streamer.machine import free_page_reporting
+from streamer.host.machine import free_page_reporting
 from streamer_bench import pagecache
 from streamer_bench.child import RESULT_MARK
 from streamer_bench.loaders import CONTROLLED_ENV, Setting

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from streamer.backends.base import Storage
 from streamer.backends.local import LocalStorage
 from streamer.backends.optional import require_cache
+from streamer.backends.sources import SourceLike, uri_scheme
 from streamer.config import StreamerConfig
 from streamer.errors import SourceError
-from streamer.sources import SourceLike, uri_scheme
 
 Factory = Callable[[StreamerConfig], Storage]
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
+from streamer.backends.sources import ResolvedSource, SourceLike
 from streamer.config import StreamerConfig
 from streamer.engine import native
 from streamer.errors import StreamerError
-from streamer.sources import ResolvedSource, SourceLike
 
 
 class StaleOpen(StreamerError):

@@ -28,11 +28,11 @@ from streamer.backends.base import (
     Storage,
     StoredFile,
 )
+from streamer.backends.sources import SourceLike, resolve
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.engine import native
 from streamer.errors import SourceError, StreamerError
 from streamer.format.safetensors import LOCAL_FRONT_BYTES, read_front, read_range
-from streamer.sources import SourceLike, resolve
 
 _CACHED_FRACTION = 0.5  # auto mode reads a file buffered when at least this much of it is cached
 _RESIDENCY_SAMPLE = 16  # auto mode looks at one MiB in 16: ~1 ms per GiB instead of ~15

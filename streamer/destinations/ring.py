@@ -12,8 +12,8 @@ import weakref
 
 import torch
 
+from streamer.destinations.buffers import MemoryBudget, allocate_buffer
 from streamer.destinations.copy_engine import CopyEngine, Unpin
-from streamer.destinations.cpu import MemoryBudget, allocate_buffer
 
 MAX_SLOT_BYTES = 64 << 20  # a copy this large runs near the link's peak; more slots overlap better
 MIN_SLOTS = 8

@@ -12,9 +12,9 @@ from typing import Protocol
 
 import torch
 
-from streamer.destinations.cpu import tensor_view
+from streamer.destinations.buffers import tensor_view
 from streamer.format.safetensors import TensorEntry
-from streamer.planner import Span
+from streamer.plan.segments import Span
 
 # Device buffers mirror file bytes from an 8-aligned offset, so a tensor keeps the alignment it has
 # in the file (safetensors writers keep every dtype aligned to its size, at most 8).

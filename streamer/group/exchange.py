@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from streamer.backends.base import Storage
-from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
-from streamer.destinations.cpu import tensor_view
+from streamer.destinations.budget import streaming_budget
+from streamer.destinations.buffers import tensor_view
 from streamer.errors import ConfigError, StreamerError
 from streamer.format import DTYPES
 from streamer.format.safetensors import TensorEntry
@@ -45,7 +45,7 @@ from streamer.group.identity import check_agreement, identity_values
 from streamer.group.plan import GroupPlan, Piece, Span, make_plan, merged, union_bytes
 from streamer.group.region import RegionSink
 from streamer.group.shared import SharedOutboxes, SharedRegion, private_directory, region_layout
-from streamer.memory import streaming_budget
+from streamer.plan.checkpoint import Checkpoint, TensorRef
 from streamer.run.assembly import check_destination
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run, SinkFor

@@ -24,9 +24,9 @@ import hashlib
 from collections.abc import Sequence
 
 from streamer.backends.base import Storage
-from streamer.checkpoint import Checkpoint
 from streamer.errors import ConfigError
 from streamer.format.safetensors import FileHeader
+from streamer.plan.checkpoint import Checkpoint
 
 _PER_FILE = 4  # header digest, size, place digest, content digest
 

@@ -16,14 +16,14 @@ import torch
 
 from streamer.backends.base import Delivery
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
-from streamer.destinations.cpu import empty_tensor
+from streamer.destinations.buffers import empty_tensor
 from streamer.engine import native
 from streamer.errors import StreamerError
 from streamer.group.shared import SharedRegion
-from streamer.metrics import LoadMetrics
-from streamer.planner import plan_segments
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.segments import plan_segments
+from streamer.plan.selection import Selection
 from streamer.run.driver import Submit
-from streamer.selection import Selection
 
 SEGMENT_BYTES = 128 << 20  # what is reserved at a time: reads start after the first one
 

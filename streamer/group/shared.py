@@ -34,8 +34,8 @@ import torch
 from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.engine import native
 from streamer.group.plan import GroupPlan, Span
-from streamer.planner import align_down, align_up
-from streamer.safedir import Access
+from streamer.host.safedir import Access
+from streamer.plan.segments import align_down, align_up
 
 AllGather = Callable[[torch.Tensor, str], list[torch.Tensor]]
 """The exchange's bounded ``all_gather`` of a small CPU tensor (``doing`` names it in errors)."""

@@ -14,14 +14,14 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from streamer.backends.base import Storage
-from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.destinations import copy_engine
-from streamer.destinations.cpu import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
+from streamer.destinations.buffers import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
 from streamer.engine import native
 from streamer.errors import ConfigError
+from streamer.plan.checkpoint import Checkpoint, TensorRef
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
 from streamer.run.inline import InlineRun, fits_inline

@@ -22,13 +22,13 @@ import torch
 
 from streamer.backends.base import Delivery
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
-from streamer.destinations.cpu import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
+from streamer.destinations.budget import over_limit_message, streaming_budget, warn_from_caller
+from streamer.destinations.buffers import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
-from streamer.memory import over_limit_message, streaming_budget, warn_from_caller
-from streamer.metrics import LoadMetrics
-from streamer.planner import Segment, plan_segments
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.segments import Segment, plan_segments
+from streamer.plan.selection import Selection
 from streamer.run.driver import Submit
-from streamer.selection import Selection
 
 _SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
 

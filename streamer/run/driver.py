@@ -21,12 +21,12 @@ from typing import Protocol
 import torch
 
 from streamer.backends.base import Storage
-from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import StreamerConfig
 from streamer.engine import native
-from streamer.metrics import LoadMetrics
-from streamer.reader import Reader, open_reader
-from streamer.selection import Selection, run_then_close
+from streamer.engine.reader import Reader, open_reader
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.checkpoint import Checkpoint, TensorRef
+from streamer.plan.selection import Selection, run_then_close
 
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
 _POLL_MS = 1  # while the sink's own work runs (copies), how often the wait returns to look at it

@@ -21,12 +21,12 @@ from collections.abc import Generator, Iterator, Sequence
 
 import torch
 
-from streamer.checkpoint import Checkpoint, TensorRef
 from streamer.config import StreamerConfig
-from streamer.destinations.cpu import empty_tensor
+from streamer.destinations.budget import streaming_budget
+from streamer.destinations.buffers import empty_tensor
 from streamer.errors import ReadError, SourceError
-from streamer.memory import streaming_budget
-from streamer.selection import Selection, run_then_close
+from streamer.plan.checkpoint import Checkpoint, TensorRef
+from streamer.plan.selection import Selection, run_then_close
 
 PARALLEL_MIN_BYTES = 4 << 20  # from here a run is read in two halves at once (two threads)
 

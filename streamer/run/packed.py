@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 import torch
 
-from streamer.destinations.cpu import MemoryBudget, allocate_buffer
+from streamer.destinations.buffers import MemoryBudget, allocate_buffer
 from streamer.engine import native
-from streamer.metrics import LoadMetrics
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.selection import Selection
+from streamer.plan.slicing import Packing
 from streamer.run.driver import Submit
-from streamer.selection import Selection
-from streamer.slicing import Packing
 
 
 class PackedSink:

@@ -19,17 +19,17 @@ from dataclasses import dataclass
 import torch
 
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.destinations.buffers import empty_tensor
 from streamer.destinations.copy_engine import CopyEngine, CopyTicket
-from streamer.destinations.cpu import empty_tensor
 from streamer.destinations.ring import MIN_SLOTS, HostRing, RingCache, ring_shape
 from streamer.destinations.targets import Destination, DestinationFor, Layout
 from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
-from streamer.metrics import LoadMetrics
-from streamer.planner import Piece, Span, align_down, align_up, group_spans, plan_pieces
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.segments import Piece, Span, align_down, align_up, group_spans, plan_pieces
+from streamer.plan.selection import Selection
 from streamer.run.driver import Submit
 from streamer.run.slots import CopyFailed, SlotTable
-from streamer.selection import Selection
 
 # Without a memory limit the ring holds two rounds of the storage's reads in flight (at least a
 # page per slot, at most 1 GiB): every reader has a slot while copies drain, and the ring is no

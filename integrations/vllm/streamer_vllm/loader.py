@@ -28,14 +28,14 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
 import streamer
-from streamer.progress import ByteProgress
-from streamer.sources import SourceLike
+from streamer.backends.sources import SourceLike
+from streamer.observe.progress import ByteProgress
 from streamer_vllm.checks import check_all_loaded, target_device
 from streamer_vllm.distributed import loading_group
 from streamer_vllm.hub import fetch_from_hub
 from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
-from streamer_vllm.sources import StreamedSource, delegated_weights, files_in_use, secondary_sources
+from streamer_vllm.secondary import StreamedSource, delegated_weights, files_in_use, secondary_sources
 
 Metrics = list[tuple[str, dict[str, Any]]]  # per checkpoint read: where from, streamer's metrics
 

@@ -28,10 +28,10 @@ import xxhash
 from streamer.backends.base import Front, Opened
 from streamer.backends.cache.store import hashed_name, writer_alive
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
+from streamer.backends.sources import ResolvedSource
 from streamer.errors import StreamerError
 from streamer.format.safetensors import header_end
-from streamer.safedir import Access
-from streamer.sources import ResolvedSource
+from streamer.host.safedir import Access
 
 NOTES_DIR = "opens"
 _MAGIC = b"STRMOP02"

@@ -32,14 +32,14 @@ from streamer.backends.cache.feed import CacheFeed
 from streamer.backends.cache.notes import NOTES_DIR, NoteOf, OpenNotes
 from streamer.backends.cache.store import STORE_DIR, CacheWarning, ChunkStore, identity
 from streamer.backends.s3.storage import S3Storage, s3_object
+from streamer.backends.sources import SourceLike, source_texts
 from streamer.config import CacheConfig
 from streamer.engine import native
-from streamer.sources import SourceLike, source_texts
 
 
 def usable_directory(config: CacheConfig) -> bool:
     """Whether the cache directory may be used: made if missing, and writable by no other user
-    (``streamer.safedir``); else one ``CacheWarning`` and the load goes on without the cache."""
+    (``streamer.host.safedir``); else one ``CacheWarning`` and the load goes on without the cache."""
     assert config.dir is not None
     why = config.access.prepare(config.dir, parts=(STORE_DIR, NOTES_DIR))
     if why is None:

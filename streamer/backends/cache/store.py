@@ -41,7 +41,7 @@ import warnings
 import xxhash
 
 from streamer.engine import native
-from streamer.safedir import Access
+from streamer.host.safedir import Access
 
 STORE_DIR = "v3"
 _MAGIC = b"STRMCH03"

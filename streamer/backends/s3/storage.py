@@ -29,10 +29,7 @@ from streamer.backends.base import (
 from streamer.backends.s3.client import ClientHolder, S3Client
 from streamer.backends.s3.feeder import S3Feeder
 from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
-from streamer.config import S3Config
-from streamer.engine import native
-from streamer.errors import S3MissingError, S3SourceError, SourceError, StreamerError, listed
-from streamer.sources import (
+from streamer.backends.sources import (
     INDEX_SUFFIX,
     MAX_INDEX_BYTES,
     SAFETENSORS_INDEX_SUFFIX,
@@ -42,6 +39,9 @@ from streamer.sources import (
     parse_index,
     source_texts,
 )
+from streamer.config import S3Config
+from streamer.engine import native
+from streamer.errors import S3MissingError, S3SourceError, SourceError, StreamerError, listed
 
 _SUFFIX = ".safetensors"
 _HEADER_REQUESTS = 32  # header GETs in flight at once

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 from streamer.backends import open_storage
 from streamer.backends.base import Opened, Storage, StoredFile
+from streamer.backends.sources import ResolvedSource, SourceArg, SourceLike, as_source
 from streamer.config import S3Config, StreamerConfig
 from streamer.errors import MissingTensorError, SourceError, StreamerError
 from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
-from streamer.sources import ResolvedSource, SourceArg, SourceLike, as_source
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ import os
 from collections.abc import Sequence
 
 from streamer.backends.base import Feed, Named, Storage, tensor_at
-from streamer.checkpoint import Checkpoint
 from streamer.config import StreamerConfig
 from streamer.engine import native
 from streamer.errors import ReadError, StreamerError
-from streamer.metrics import LoadMetrics
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.checkpoint import Checkpoint
 
 
 def open_reader(

@@ -10,9 +10,9 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from streamer.checkpoint import TensorRef
 from streamer.engine.blocks import Unit
-from streamer.metrics import LoadMetrics
+from streamer.observe.metrics import LoadMetrics
+from streamer.plan.checkpoint import TensorRef
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ import grp
 from dataclasses import dataclass, field
 from typing import Literal
 
-from streamer.config_fields import (
+from streamer.config.fields import (
     choice,
     count,
     flag,
@@ -23,8 +23,8 @@ from streamer.config_fields import (
     text,
 )
 from streamer.errors import ConfigError
-from streamer.machine import STAGED_READERS, default_readers, hugepages_by_default, usable_cores
-from streamer.safedir import Access
+from streamer.host.machine import STAGED_READERS, default_readers, hugepages_by_default, usable_cores
+from streamer.host.safedir import Access
 
 IoMode = Literal["auto", "buffered", "direct"]
 IO_MODES: tuple[IoMode, ...] = ("auto", "buffered", "direct")
@@ -201,7 +201,7 @@ class StreamerConfig:
     block_size: bytes per read; tensors are cut into, or grouped by, blocks of this size.
     memory_limit: cap on tensor bytes a streaming load holds in host buffers (in flight, not yet
         handed out, and still referenced by the consumer). ``None`` (the default) sizes it from
-        the checkpoint and the memory available (see ``streamer.memory``); ``"unlimited"`` lets
+        the checkpoint and the memory available (see ``streamer.destinations.budget``); ``"unlimited"`` lets
         readers run ahead without bound; an int is a cap in bytes. ``load()`` keeps every
         tensor, so it ignores the limit on the CPU.
     io_mode: ``auto`` reads a file buffered when the page cache holds most of the bytes this

@@ -20,8 +20,8 @@ import torch
 from vllm.config.load import LoadConfig
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from streamer.checkpoint import Checkpoint
-from streamer.sources import SourceLike
+from streamer.backends.sources import SourceLike
+from streamer.plan.checkpoint import Checkpoint
 from streamer_vllm.options import is_remote
 
 UnusedFilter = Callable[[str], bool]

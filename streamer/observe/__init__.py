@@ -1,0 +1,1 @@
+"""What a run reports: its metrics and the progress bar."""
