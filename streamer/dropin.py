@@ -206,7 +206,7 @@ def _from_range(
     plan: slicing.ReadPlan,
     packing: slicing.Packing,
     packed: torch.Tensor,
-    layout: slicing.Layout,
+    layout: slicing.StridedView,
     entry: TensorEntry,
     *,
     hugepages: bool,

@@ -18,12 +18,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from streamer.backends.base import (
+    Extent,
     ExternalFeed,
     Front,
     Named,
     Opened,
     Range,
-    Span,
     Storage,
     StoredFile,
     tensor_at,
@@ -84,7 +84,7 @@ class FaultyStorage(Storage):
         return out
 
     def feed(
-        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
     ) -> _FaultyFeed:
         return _FaultyFeed(self, engine, files, tensors)
 

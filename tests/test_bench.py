@@ -23,7 +23,7 @@ from conftest import BENCH_ENV, bench, bench_report
 
 from streamer.host.machine import free_page_reporting
 from streamer_bench import arguments, ceilings, pagecache, report, runner, synthetic
-from streamer_bench.checkpoint import resolve
+from streamer_bench.files import resolve
 from streamer_bench.loaders import Setting
 
 MiB = 1 << 20

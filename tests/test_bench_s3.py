@@ -21,7 +21,7 @@ import pytest
 from conftest import bench, bench_report, s3_client
 
 from streamer_bench import report, synthetic
-from streamer_bench.checkpoint import SourceProblem, SourceUnreachable, resolve
+from streamer_bench.files import SourceProblem, SourceUnreachable, resolve
 
 pytest.importorskip("boto3")
 

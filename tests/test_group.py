@@ -37,7 +37,7 @@ import streamer
 from streamer import StreamerConfig, StreamerError
 from streamer.config import CacheConfig
 from streamer.group import exchange
-from streamer.group.plan import GroupPlan, Span, make_plan
+from streamer.group.plan import GroupPlan, Want, make_plan
 from streamer.group.shared import outbox_layout
 
 BUCKET = "group"
@@ -48,7 +48,7 @@ RANK_START_S = 120  # spawning ranks that import torch is slow on a busy machine
 # --- the plan, as a pure function -------------------------------------------------------------------
 
 
-def _covered(plan: GroupPlan, wants: list[list[Span]]) -> dict[tuple[int, int], bytearray]:
+def _covered(plan: GroupPlan, wants: list[list[Want]]) -> dict[tuple[int, int], bytearray]:
     """How often the plan delivers each byte of each rank's wanted span."""
     seen = {
         (r, p): bytearray(end - begin)
@@ -88,7 +88,7 @@ def test_plan_delivers_every_wanted_byte_once_and_balances_contiguous_shares(wor
 
 
 def test_plan_reads_overlapping_slices_once_and_sends_them_only_where_wanted() -> None:
-    wants: list[list[Span]] = [[(0, 0, 600)], [(0, 400, 1000), (0, 400, 600)], [(0, 2000, 2100)]]
+    wants: list[list[Want]] = [[(0, 0, 600)], [(0, 400, 1000), (0, 400, 600)], [(0, 2000, 2100)]]
     plan = make_plan(wants, piece_bytes=256)
     assert sum(p.nbytes for p in plan.pieces) == 1000 + 100  # the overlap is read once
     for counts in _covered(plan, wants).values():
@@ -102,7 +102,7 @@ def test_plan_reads_overlapping_slices_once_and_sends_them_only_where_wanted() -
 
 
 def test_outboxes_alternate_halves_and_hold_only_what_another_rank_wants() -> None:
-    wants: list[list[Span]] = [[(0, 0, 5_000)], [(0, 0, 10_000)]]  # rank 0 wants the first half only
+    wants: list[list[Want]] = [[(0, 0, 5_000)], [(0, 0, 10_000)]]  # rank 0 wants the first half only
     plan = make_plan(wants, piece_bytes=1000)
     offsets, halves = outbox_layout(plan)
     for index, piece in enumerate(plan.pieces):

@@ -14,7 +14,17 @@ from streamer import PackedSliceError
 from streamer.backends.base import LOCAL_CACHED_READ_COST, LOCAL_READ_COST, REMOTE_READ_COST
 from streamer.engine.blocks import Unit
 from streamer.plan.segments import align_down, align_up, plan_segments
-from streamer.plan.slicing import MAX_RUNS, Layout, covering, is_basic, merge, pack, plan, runs_of, select
+from streamer.plan.slicing import (
+    MAX_RUNS,
+    StridedView,
+    covering,
+    is_basic,
+    merge,
+    pack,
+    plan,
+    runs_of,
+    select,
+)
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -28,8 +38,8 @@ def test_basic_indices_are_those_that_select_a_view() -> None:
 
 
 def test_select_is_torch_view_in_elements() -> None:
-    assert select((slice(None), slice(2, 4)), (4, 6, 8)) == Layout((4, 2, 8), (48, 8, 1), 16)
-    assert select((1, Ellipsis, -1), (4, 6, 8)) == Layout((6,), (8,), 48 + 7)
+    assert select((slice(None), slice(2, 4)), (4, 6, 8)) == StridedView((4, 2, 8), (48, 8, 1), 16)
+    assert select((1, Ellipsis, -1), (4, 6, 8)) == StridedView((6,), (8,), 48 + 7)
     with pytest.raises(IndexError, match="out of bounds"):
         select(4, (4, 6))
 
@@ -71,7 +81,7 @@ def test_too_many_runs_are_not_listed() -> None:
 
 def test_pack_keeps_whole_bytes_only() -> None:
     layout = select((Ellipsis, slice(2, 6)), (3, 8))
-    assert pack(layout, 2, name="t", path="p") == Layout((3, 2), (4, 1), 1)
+    assert pack(layout, 2, name="t", path="p") == StridedView((3, 2), (4, 1), 1)
     assert pack(layout, 1, name="t", path="p") is layout
     for index in ((Ellipsis, slice(1, 3)), (Ellipsis, 2), (Ellipsis, slice(None, None, 2)), (Ellipsis, None)):
         with pytest.raises(PackedSliceError, match="'t'"):

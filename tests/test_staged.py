@@ -39,7 +39,7 @@ from streamer.backends.s3.storage import S3Storage
 from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.destinations.copy_engine import CudaCopyEngine
 from streamer.engine import native
-from streamer.plan.segments import Span, group_spans, plan_pieces
+from streamer.plan.segments import Span, group_spans, plan_slot_reads
 
 SMALL_RING = 64 * KiB  # 8 slots of 8 KiB: far smaller than the largest tensors below
 
@@ -442,7 +442,7 @@ def test_pieces_cover_every_wanted_byte_once_at_aligned_offsets(slot_size: int) 
     spans = [Span(0, 100, 5000), Span(0, 5008, 30001), Span(0, 200_000, 200_001), Span(1, 8, 70_000)]
     regions = group_spans(spans, max_gap=2 * DIRECT_IO_ALIGNMENT)
     assert regions == [Span(0, 100, 30001), Span(0, 200_000, 200_001), Span(1, 8, 70_000)]
-    pieces = plan_pieces(regions, slot_size=slot_size, block_size=4096, alignment=DIRECT_IO_ALIGNMENT)
+    pieces = plan_slot_reads(regions, slot_size=slot_size, block_size=4096, alignment=DIRECT_IO_ALIGNMENT)
     covered: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
     for index, piece in enumerate(pieces):
         assert piece.read_begin % DIRECT_IO_ALIGNMENT == 0 and piece.read_end - piece.read_begin <= slot_size

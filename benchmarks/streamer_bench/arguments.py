@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from streamer_bench import runner, stats
-from streamer_bench.checkpoint import is_remote
+from streamer_bench.files import is_remote
 from streamer_bench.loaders import (
     ALL_LOADERS,
     RUNAI_DEFAULT_STRATEGY,

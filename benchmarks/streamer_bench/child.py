@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamer_bench.checkpoint import is_remote
+from streamer_bench.files import is_remote
 
 RESULT_MARK = "@@streamer-bench@@ "
 # Comma-separated loaders, or modules a loader needs for S3, to treat as not installed (tests).

@@ -26,7 +26,8 @@ from typing import Any
 
 from streamer_bench import ceilings, pagecache, report, runner, synthetic
 from streamer_bench.arguments import parse_args
-from streamer_bench.checkpoint import Checkpoint, SourceProblem, SourceUnreachable, resolve
+from streamer_bench.facts import facts, s3_endpoint
+from streamer_bench.files import CheckpointFiles, SourceProblem, SourceUnreachable, resolve
 from streamer_bench.loaders import (
     ALL_LOADERS,
     BASELINE,
@@ -34,7 +35,6 @@ from streamer_bench.loaders import (
     Setting,
     settings_for,
 )
-from streamer_bench.machine import facts, s3_endpoint
 from streamer_bench.units import format_bytes
 
 DISTRIBUTIONS = {
@@ -81,7 +81,7 @@ class Progress:
 
 def obtain_checkpoint(
     args: argparse.Namespace, workdir: Path, progress: Progress
-) -> tuple[Checkpoint, dict[str, Any] | None]:
+) -> tuple[CheckpointFiles, dict[str, Any] | None]:
     if args.source is not None:
         return resolve(args.source), None
     target = (args.keep or workdir) / f"synthetic-{args.synthetic}-{args.shards}"
@@ -128,7 +128,7 @@ def probe(remote: bool) -> dict[str, Any]:
     return result
 
 
-def tensorizer_file(checkpoint: Checkpoint, workdir: Path, progress: Progress) -> str:
+def tensorizer_file(checkpoint: CheckpointFiles, workdir: Path, progress: Progress) -> str:
     """Converts the checkpoint once (untimed); reused from --keep when newer than the shards."""
     out = workdir / "tensorizer" / "model.tensors"
     newest = max(f.stat().st_mtime for f in checkpoint.files)
@@ -156,7 +156,7 @@ def _source_mismatch(name: str, remote: bool) -> str | None:
 
 def plan(
     args: argparse.Namespace,
-    checkpoint: Checkpoint,
+    checkpoint: CheckpointFiles,
     probed: dict[str, Any],
     workdir: Path,
     progress: Progress,
@@ -202,7 +202,7 @@ def plan(
 
 def run_sections(
     args: argparse.Namespace,
-    checkpoint: Checkpoint,
+    checkpoint: CheckpointFiles,
     planned: list[tuple[Setting, list[str]]],
     progress: Progress,
     sections: list[dict[str, Any]],
@@ -254,7 +254,7 @@ def run_sections(
 
 def measure(
     args: argparse.Namespace,
-    checkpoint: Checkpoint,
+    checkpoint: CheckpointFiles,
     planned: list[tuple[Setting, list[str]]],
     probed: dict[str, Any],
     progress: Progress,
@@ -274,7 +274,7 @@ def measure(
 
 
 def memory_ceilings(
-    args: argparse.Namespace, checkpoint: Checkpoint, probed: dict[str, Any], progress: Progress
+    args: argparse.Namespace, checkpoint: CheckpointFiles, probed: dict[str, Any], progress: Progress
 ) -> list[ceilings.Ceiling]:
     if not args.ceilings:
         return []
@@ -293,7 +293,7 @@ def memory_ceilings(
 def document(
     args: argparse.Namespace,
     argv: Sequence[str] | None,
-    checkpoint: Checkpoint,
+    checkpoint: CheckpointFiles,
     synthetic_info: dict[str, Any] | None,
     probed: dict[str, Any],
     skipped: list[dict[str, str | None]],
@@ -339,7 +339,7 @@ def document(
     }
 
 
-def _rank_bench(args: argparse.Namespace, checkpoint: Checkpoint, progress: Progress) -> int:
+def _rank_bench(args: argparse.Namespace, checkpoint: CheckpointFiles, progress: Progress) -> int:
     from streamer_bench import ranks
 
     keep = args.streamer_api == "load"

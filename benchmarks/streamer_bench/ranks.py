@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 import streamer
 from streamer_bench import pagecache, stats
-from streamer_bench.checkpoint import Checkpoint
+from streamer_bench.files import CheckpointFiles
 from streamer_bench.units import format_bytes
 
 MODES = ("group", "independent")
@@ -89,7 +89,13 @@ def _one_run(source: str, world: int, grouped: bool, keep: bool) -> dict[str, An
 
 
 def bench(
-    checkpoint: Checkpoint, world: int, repeat: int, states: list[str], progress: Any, *, keep: bool = False
+    checkpoint: CheckpointFiles,
+    world: int,
+    repeat: int,
+    states: list[str],
+    progress: Any,
+    *,
+    keep: bool = False,
 ) -> dict[str, Any]:
     """Every state's interleaved runs of both modes, their medians, and the paired per-round ratio of
     the independent loads' wall time over the group's (above 1: the group is faster) with its

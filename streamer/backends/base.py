@@ -87,7 +87,7 @@ class Opened:
 
 
 Range = tuple[StoredFile, int, int]  # a file and the bytes [begin, end) of it
-Span = tuple[int, int]  # bytes [begin, end) of a file
+Extent = tuple[int, int]  # bytes [begin, end) of a file
 Named = Sequence[tuple[native.Unit, str]]  # a run's tensors (engine numbering, by file and offset), named
 
 
@@ -191,7 +191,7 @@ class Storage(ABC):
         (local files override it with their reader threads)."""
         return config.s3.concurrency * config.block_size
 
-    def read_cost_of(self, file: StoredFile, span: Span) -> ReadCost:
+    def read_cost_of(self, file: StoredFile, span: Extent) -> ReadCost:
         """What one more request costs a run reading ``span`` of ``file`` (``read_cost`` unless the
         storage knows better, e.g. local bytes already in the page cache)."""
         return self.read_cost
@@ -203,7 +203,7 @@ class Storage(ABC):
 
     @abstractmethod
     def feed(
-        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
     ) -> Feed:
         """Registers ``files`` with ``engine`` as its files 0..n-1 and returns the feed serving them.
 

@@ -17,6 +17,7 @@ from streamer.backends.base import (
     LOCAL_CACHED_READ_COST,
     LOCAL_READ_COST,
     Delivery,
+    Extent,
     Feed,
     FileIdentity,
     Front,
@@ -24,7 +25,6 @@ from streamer.backends.base import (
     Opened,
     Range,
     ReadCost,
-    Span,
     Storage,
     StoredFile,
 )
@@ -73,7 +73,7 @@ class LocalStorage(Storage):
     def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
         return [read_range(file.path, begin, end) for file, begin, end in ranges]
 
-    def read_cost_of(self, file: StoredFile, span: Span) -> ReadCost:
+    def read_cost_of(self, file: StoredFile, span: Extent) -> ReadCost:
         """Requests cost little from the page cache, several times more from the device."""
         return LOCAL_READ_COST if wants_direct(self._config, file.path, span) else LOCAL_CACHED_READ_COST
 
@@ -89,7 +89,7 @@ class LocalStorage(Storage):
             return list(pool.map(lambda file: _identify(file.path, boot, full), files))
 
     def feed(
-        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
     ) -> Feed:
         return _EngineFeed(engine, self._config, files, spans)
 

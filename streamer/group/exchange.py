@@ -42,7 +42,7 @@ from streamer.errors import ConfigError, StreamerError
 from streamer.format import DTYPES
 from streamer.format.safetensors import TensorEntry
 from streamer.group.identity import check_agreement, identity_values
-from streamer.group.plan import GroupPlan, Piece, Span, make_plan, merged, union_bytes
+from streamer.group.plan import GroupPlan, Piece, Want, coalesced, make_plan, union_bytes
 from streamer.group.region import RegionSink
 from streamer.group.shared import SharedOutboxes, SharedRegion, private_directory, region_layout
 from streamer.plan.checkpoint import Checkpoint, TensorRef
@@ -260,7 +260,7 @@ class GroupExchange:
             self._next_position += 1
             yield self._refs[position].entry.name, tensors.pop(position)
 
-    def _gather_wants(self) -> list[list[Span]]:
+    def _gather_wants(self) -> list[list[Want]]:
         """Every rank's wanted spans, the same list on every rank (two small all_gathers).
 
         Each rank prefixes its spans with the identity of the checkpoint it opened (``identity``):
@@ -324,7 +324,7 @@ class GroupExchange:
         if directory is None or not all(int(v[0]) for v in votes):
             return None
         if all(int(v[1]) for v in votes):
-            layout = region_layout(merged([(p.file, p.begin, p.end) for p in plan.pieces]))
+            layout = region_layout(coalesced([(p.file, p.begin, p.end) for p in plan.pieces]))
             region = SharedRegion.connect(layout, self._rank, directory, self._all_gather)
             if region is not None:
                 return region

@@ -16,7 +16,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-Span = tuple[int, int, int]
+Want = tuple[int, int, int]
 """``(file, begin, end)``: bytes a rank wants, as one tensor or slice of its own."""
 
 
@@ -69,12 +69,12 @@ class GroupPlan:
         return [range(first, min(first + world, count)) for first in range(0, count, world)]
 
 
-def make_plan(wants: Sequence[Sequence[Span]], piece_bytes: int) -> GroupPlan:
+def make_plan(wants: Sequence[Sequence[Want]], piece_bytes: int) -> GroupPlan:
     """Plans the exchange among ``len(wants)`` ranks; spans may overlap (slices of one tensor)."""
     world_size = len(wants)
     if world_size < 1 or piece_bytes < 1:
         raise ValueError(f"world_size and piece_bytes must be positive, got {world_size}, {piece_bytes}")
-    ranges = _pieces(merged([span for spans in wants for span in spans]), piece_bytes)
+    ranges = _pieces(coalesced([span for spans in wants for span in spans]), piece_bytes)
     total = sum(end - begin for _, begin, end in ranges)
     starts = [(file, begin) for file, begin, _ in ranges]
     parts: list[list[Part]] = [[] for _ in ranges]
@@ -104,15 +104,15 @@ def make_plan(wants: Sequence[Sequence[Span]], piece_bytes: int) -> GroupPlan:
     return GroupPlan(tuple(exchange), world_size)
 
 
-def union_bytes(wants: Sequence[Sequence[Span]]) -> int:
+def union_bytes(wants: Sequence[Sequence[Want]]) -> int:
     """Bytes at least one rank wants: what the group reads."""
-    return sum(end - begin for _, begin, end in merged([span for spans in wants for span in spans]))
+    return sum(end - begin for _, begin, end in coalesced([span for spans in wants for span in spans]))
 
 
-def merged(spans: Sequence[Span]) -> list[Span]:
+def coalesced(spans: Sequence[Want]) -> list[Want]:
     """The wanted bytes as disjoint ``(file, begin, end)`` ranges in file and offset order;
     touching ranges are joined (they can be read as one)."""
-    merged: list[Span] = []
+    merged: list[Want] = []
     for file, begin, end in sorted(span for span in spans if span[2] > span[1]):
         if merged and merged[-1][0] == file and begin <= merged[-1][2]:
             last = merged[-1]
@@ -122,7 +122,7 @@ def merged(spans: Sequence[Span]) -> list[Span]:
     return merged
 
 
-def _pieces(ranges: list[Span], piece_bytes: int) -> list[Span]:
+def _pieces(ranges: list[Want], piece_bytes: int) -> list[Want]:
     return [
         (file, start, min(end, start + piece_bytes))
         for file, begin, end in ranges

@@ -33,7 +33,7 @@ import torch
 
 from streamer.config import DIRECT_IO_ALIGNMENT
 from streamer.engine import native
-from streamer.group.plan import GroupPlan, Span
+from streamer.group.plan import GroupPlan, Want
 from streamer.host.safedir import Access
 from streamer.plan.segments import align_down, align_up
 
@@ -161,7 +161,7 @@ class RegionLayout:
         return self.bases[file] + position - self.starts[file]
 
 
-def region_layout(ranges: Sequence[Span]) -> RegionLayout:
+def region_layout(ranges: Sequence[Want]) -> RegionLayout:
     """The layout of ``ranges`` (disjoint, in file and offset order: a plan's wanted bytes)."""
     starts: dict[int, int] = {}
     ends: dict[int, int] = {}

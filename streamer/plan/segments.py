@@ -50,7 +50,6 @@ class Segment:
                 extents.append((block.dst, block.dst + block.read_length))
         return extents
 
-
     def filled_extent(self, page: int) -> tuple[int, int] | None:
         """The one extent of the buffer its blocks fill, when they tile it in whole ``page``s (so it
         may be read through the page fill); None when they leave gaps or share a page."""
@@ -172,11 +171,11 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Piece:
+class SlotRead:
     """Up to one ring slot of a file: read into a slot, then copied out of it as a whole.
 
     The slot holds file bytes ``[read_begin, read_end)`` (aligned for O_DIRECT); only
-    ``[begin, end)`` are wanted. Block ``dst`` fields are offsets into the slot. Piece ``i``
+    ``[begin, end)`` are wanted. Block ``dst`` fields are offsets into the slot. SlotRead ``i``
     is the engine's unit ``i``: it completes when its wanted bytes are all read.
     """
 
@@ -203,14 +202,16 @@ def group_spans(spans: Sequence[Span], *, max_gap: int) -> list[Span]:
     return groups
 
 
-def plan_pieces(regions: Sequence[Span], *, slot_size: int, block_size: int, alignment: int) -> list[Piece]:
+def plan_slot_reads(
+    regions: Sequence[Span], *, slot_size: int, block_size: int, alignment: int
+) -> list[SlotRead]:
     """Cuts each region into slot-sized pieces at aligned offsets, regardless of tensor boundaries.
 
     ``slot_size`` must be a multiple of ``alignment``; regions must be at least ``2 * alignment``
     apart so that no two pieces read the same aligned block.
     """
     step = min(block_size, slot_size)
-    pieces: list[Piece] = []
+    pieces: list[SlotRead] = []
     for region in regions:
         read_begin = align_down(region.begin, alignment)
         read_stop = align_up(region.end, alignment)
@@ -232,5 +233,5 @@ def plan_pieces(regions: Sequence[Span], *, slot_size: int, block_size: int, ali
                 for offset in range(start, stop, step)
                 if max(offset, begin) < min(offset + step, end)
             )
-            pieces.append(Piece(region.file, begin, end, start, stop, blocks))
+            pieces.append(SlotRead(region.file, begin, end, start, stop, blocks))
     return pieces

@@ -25,7 +25,7 @@ MAX_RUNS = 1 << 20  # more runs than this are read as their covering range (8 by
 
 
 @dataclass(frozen=True)
-class Layout:
+class StridedView:
     """Where a selection sits: a strided view of the tensor, in elements of the tensor's dtype."""
 
     shape: tuple[int, ...]
@@ -99,13 +99,13 @@ def _plain_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # torch reads True as a mask
 
 
-def select(index: object, shape: tuple[int, ...]) -> Layout:
+def select(index: object, shape: tuple[int, ...]) -> StridedView:
     """The view ``tensor[index]`` is, for a basic ``index`` of a tensor of ``shape``; torch's errors."""
     view = torch.empty(shape, dtype=torch.uint8, device="meta")[index]  # type: ignore[index]
-    return Layout(tuple(view.shape), tuple(view.stride()), int(view.storage_offset()))
+    return StridedView(tuple(view.shape), tuple(view.stride()), int(view.storage_offset()))
 
 
-def pack(layout: Layout, per_item: int, *, name: str, path: str) -> Layout:
+def pack(layout: StridedView, per_item: int, *, name: str, path: str) -> StridedView:
     """A layout in header values as one in torch elements of a packed dtype (``per_item`` values each).
 
     The selection must keep whole elements: the last dimension kept, step 1, on even bounds.
@@ -120,14 +120,14 @@ def pack(layout: Layout, per_item: int, *, name: str, path: str) -> Layout:
             path=path,
             tensor=name,
         )
-    return Layout(
+    return StridedView(
         (*shape[:-1], shape[-1] // per_item),
         (*(s // per_item if n > 1 else s for n, s in zip(shape[:-1], stride[:-1], strict=True)), 1),
         layout.offset // per_item,
     )
 
 
-def runs_of(layout: Layout) -> list[tuple[int, int]] | None:
+def runs_of(layout: StridedView) -> list[tuple[int, int]] | None:
     """The selection's contiguous element ranges in row-major order; None beyond ``MAX_RUNS``."""
     found = run_starts(layout)
     if found is None:
@@ -136,7 +136,7 @@ def runs_of(layout: Layout) -> list[tuple[int, int]] | None:
     return [(start, start + length) for start in starts.tolist()]
 
 
-def run_starts(layout: Layout) -> tuple[np.ndarray, int] | None:
+def run_starts(layout: StridedView) -> tuple[np.ndarray, int] | None:
     """Where each run starts (int64, row-major order) and the elements in each; None beyond ``MAX_RUNS``."""
     if layout.numel == 0:
         return np.empty(0, dtype=np.int64), 0
@@ -153,13 +153,13 @@ def run_starts(layout: Layout) -> tuple[np.ndarray, int] | None:
     return starts, inner
 
 
-def covering(layout: Layout) -> tuple[int, int]:
+def covering(layout: StridedView) -> tuple[int, int]:
     """The smallest element range holding the (non-empty) selection."""
     last = layout.offset + sum((n - 1) * s for n, s in zip(layout.shape, layout.stride, strict=True))
     return layout.offset, last + 1
 
 
-def plan(layout: Layout, *, base: int, itemsize: int, request_bytes: int) -> ReadPlan:
+def plan(layout: StridedView, *, base: int, itemsize: int, request_bytes: int) -> ReadPlan:
     """How to read a non-empty selection of the tensor whose bytes start at ``base``.
 
     ``request_bytes`` is what one more read request costs the storage (``ReadCost``): runs closer

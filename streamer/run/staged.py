@@ -26,7 +26,7 @@ from streamer.destinations.targets import Destination, DestinationFor, Layout
 from streamer.engine import native
 from streamer.errors import ConfigError, DeviceError, StreamerError
 from streamer.observe.metrics import LoadMetrics
-from streamer.plan.segments import Piece, Span, align_down, align_up, group_spans, plan_pieces
+from streamer.plan.segments import SlotRead, Span, align_down, align_up, group_spans, plan_slot_reads
 from streamer.plan.selection import Selection
 from streamer.run.driver import Submit
 from streamer.run.slots import CopyFailed, SlotTable
@@ -86,7 +86,7 @@ class StagedSink:
         # Set by plan(), when the run starts:
         self._ring: HostRing | None = None
         self._ring_bytes = 0
-        self._pieces: list[Piece] = []
+        self._pieces: list[SlotRead] = []
         self._slots = SlotTable(0)
         self._plan: _Plan | None = None
         self._pieces_left: list[int] = []  # per loaded tensor: pieces not copied yet
@@ -109,7 +109,7 @@ class StagedSink:
         )
         self._ring_bytes = self._ring.nbytes
         self.metrics.add_ring_alloc(alloc_seconds)
-        self._pieces = plan_pieces(
+        self._pieces = plan_slot_reads(
             self._regions,
             slot_size=self._ring.slot_size,
             block_size=self._config.block_size,
@@ -258,7 +258,7 @@ class StagedSink:
 class _Plan:
     """Index tables of a run: which tensors and copies each piece has, which pieces each tensor spans."""
 
-    def __init__(self, pieces: Sequence[Piece], tensors: Sequence[Span], targets: Sequence[Span]) -> None:
+    def __init__(self, pieces: Sequence[SlotRead], tensors: Sequence[Span], targets: Sequence[Span]) -> None:
         piece_keys = [(p.file, p.begin) for p in pieces]
         target_keys = [(t.file, t.begin) for t in targets]
         self.tensor_pieces: list[tuple[int, int]] = []

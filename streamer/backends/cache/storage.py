@@ -18,12 +18,12 @@ from concurrent.futures import Future
 
 from streamer.backends.base import (
     Delivery,
+    Extent,
     Feed,
     FileIdentity,
     Named,
     Opened,
     Range,
-    Span,
     StaleOpen,
     Storage,
     StoredFile,
@@ -94,7 +94,7 @@ class CachedS3Storage(Storage):
         return self._inner.identify(files, full=full)
 
     def feed(
-        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
     ) -> Feed:
         if self._store is None:
             assert self._config.dir is not None

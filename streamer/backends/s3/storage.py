@@ -16,13 +16,13 @@ from typing import Any
 
 from streamer.backends.base import (
     Delivery,
+    Extent,
     Feed,
     FileIdentity,
     Front,
     Named,
     Opened,
     Range,
-    Span,
     Storage,
     StoredFile,
 )
@@ -74,7 +74,7 @@ class S3Storage(Storage):
         return [FileIdentity(content=s3_object(file).etag or "") for file in files]
 
     def feed(
-        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Span], tensors: Named
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
     ) -> Feed:
         return S3Feeder(self._holder.get(), engine, [s3_object(file) for file in files])
 

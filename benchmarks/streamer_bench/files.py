@@ -20,7 +20,7 @@ class SourceUnreachable(Exception):
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class CheckpointFiles:
     """What every loader is pointed at: the original source and its shard files."""
 
     source: str  # what streamer receives (a file, a directory, an index, or an s3:// URI of one)
@@ -43,7 +43,7 @@ def is_remote(source: str) -> bool:
     return "://" in source
 
 
-def resolve(source: str) -> Checkpoint:
+def resolve(source: str) -> CheckpointFiles:
     """A file, a directory (every ``*.safetensors``) or a ``*.index.json`` (the shards it names),
     local or on S3, resolved and its headers validated by ``streamer`` itself."""
     if is_remote(source) and not source.startswith("s3://"):
@@ -63,7 +63,7 @@ def resolve(source: str) -> Checkpoint:
     remote = source.startswith("s3://")
     objects = {h.path: h.file_size for h in opened.headers} if remote else {}
     files = [] if remote else [Path(p).resolve() for p in opened.paths]
-    return Checkpoint(
+    return CheckpointFiles(
         source=source,
         files=files,
         tensor_bytes=sum(e.nbytes for e in entries),
