@@ -18,7 +18,8 @@ import torch
 from conftest import KiB, MiB, Written, assert_same, config, random_tensor, write_checkpoint
 
 import streamer
-from streamer import StreamerError, memory
+from streamer import StreamerError
+from streamer.destinations import budget as memory
 
 LIMIT = 64 * MiB
 CHECKPOINT_BYTES = 4 * LIMIT  # 256 MiB in 2 shards of ~4 MiB tensors

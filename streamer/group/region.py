@@ -23,12 +23,12 @@ from streamer.group.shared import SharedRegion
 from streamer.observe.metrics import LoadMetrics
 from streamer.plan.segments import plan_segments
 from streamer.plan.selection import Selection
-from streamer.run.driver import Submit
+from streamer.run.driver import Submit, Tally
 
 SEGMENT_BYTES = 128 << 20  # what is reserved at a time: reads start after the first one
 
 
-class RegionSink:
+class RegionSink(Tally):
     """Reads a selection into ``region``; unit ``i`` is the ``i``-th tensor that has bytes."""
 
     def __init__(
@@ -41,6 +41,7 @@ class RegionSink:
         request_bytes: int,
         delivery: Delivery,
     ) -> None:
+        super().__init__()
         self._region: SharedRegion | None = region
         self._refs = selection.refs
         self._files = selection.files  # engine file -> checkpoint file
@@ -60,8 +61,6 @@ class RegionSink:
             for s in self._segments
         ]
         self._next_segment = 0
-        self._in_flight = 0
-        self._completed: list[int] = []
         self.metrics = metrics
         metrics.memory_limit_source = "group: the host's shared copy of the checkpoint"
 
@@ -89,30 +88,23 @@ class RegionSink:
                     path=region.directory,
                 ) from error
             self._next_segment += 1
-            self._in_flight += segment.unit_count
+            self.queued(segment.unit_count)
             submit(segment.blocks, region.shared_address(self._files[segment.file], segment.buffer_begin))
         return True
-
-    @property
-    def reading(self) -> bool:
-        return self._in_flight > 0
 
     @property
     def busy(self) -> bool:
         return self._next_segment < len(self._segments)
 
     def on_read(self, units: Sequence[int]) -> None:
-        self._in_flight -= len(units)
-        self._completed.extend(self._position[unit] for unit in units)
+        self.read(len(units))
+        for unit in units:
+            self.whole(self._position[unit])
 
     def settle(self) -> None:
         """Nothing is being read: waits for the next segment's pages."""
         if self._next_segment < len(self._segments):
             wait([self._reserved[self._next_segment]])
-
-    def completed(self) -> list[int]:
-        completed, self._completed = self._completed, []
-        return completed
 
     def tensor(self, position: int) -> torch.Tensor:
         ref = self._refs[position]

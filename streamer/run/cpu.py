@@ -28,12 +28,12 @@ from streamer.engine import native
 from streamer.observe.metrics import LoadMetrics
 from streamer.plan.segments import Segment, plan_segments
 from streamer.plan.selection import Selection
-from streamer.run.driver import Submit
+from streamer.run.driver import Submit, Tally
 
 _SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
 
 
-class CpuSink:
+class CpuSink(Tally):
     """Reads a selection into CPU buffers; unit ``i`` is the ``i``-th tensor that has bytes."""
 
     def __init__(
@@ -45,6 +45,7 @@ class CpuSink:
         delivery: Delivery,
         request_bytes: int,
     ) -> None:
+        super().__init__()
         self._refs = selection.refs
         self._loaded = selection.with_bytes()  # unit i is the tensor self._loaded[i]
         self._units = selection.units()
@@ -84,11 +85,9 @@ class CpuSink:
         self._buffers: dict[int, tuple[torch.Tensor, int]] = {}  # segment -> its buffer and charge
         self._undelivered: dict[int, int] = {}
         self._next_segment = 0
-        self._in_flight = 0
         self._warned_over_limit = False
         # Read, taken from their buffers, not yet handed to the consumer: position -> tensor, charge.
         self._taken: dict[int, tuple[torch.Tensor, int]] = {}
-        self._completed: list[int] = []
         self._current_charge = 0  # charge of the buffer the consumer's last tensor views
         self.metrics = metrics
         metrics.memory_limit = budget.limit
@@ -126,7 +125,7 @@ class CpuSink:
             tensor, base, charge = buffer
             self._buffers[index] = (tensor, charge)
             self._undelivered[index] = segment.unit_count
-            self._in_flight += segment.unit_count
+            self.queued(segment.unit_count)
             self._next_segment += 1
             extent = self._fill_extents[index]
             if reused is None and extent is not None and self._register(index, base, extent):
@@ -144,20 +143,16 @@ class CpuSink:
         return True
 
     @property
-    def reading(self) -> bool:
-        return self._in_flight > 0
-
-    @property
     def busy(self) -> bool:
         return False
 
     def on_read(self, units: Sequence[int]) -> None:
+        self.read(len(units))
         for unit in units:
-            self._in_flight -= 1
             position = self._position[unit]
             # No local name for the tensor: it must not outlive the consumer's reference.
             self._taken[position] = self._take_tensor(unit)
-            self._completed.append(position)
+            self.whole(position)
             index = self._segment_of_unit[unit]
             filling = self._filling.get(index)
             if filling is None:
@@ -173,10 +168,6 @@ class CpuSink:
 
     def settle(self) -> None:
         """Nothing to wait for: the next ``submit_what_fits`` reads on, over the limit if need be."""
-
-    def completed(self) -> list[int]:
-        completed, self._completed = self._completed, []
-        return completed
 
     def tensor(self, position: int) -> torch.Tensor:
         entry = self._refs[position].entry

@@ -80,6 +80,32 @@ class Sink(Protocol):
         """Lets go of memory and threads (no read runs any more); idempotent."""
 
 
+class Tally:
+    """The bookkeeping sinks that read in units share: units queued and not yet read (``reading``)
+    and the positions of tensors that became whole since the driver last asked (``completed``)."""
+
+    def __init__(self) -> None:
+        self._in_flight = 0
+        self._whole: list[int] = []
+
+    def queued(self, units: int) -> None:
+        self._in_flight += units
+
+    def read(self, units: int) -> None:
+        self._in_flight -= units
+
+    def whole(self, position: int) -> None:
+        self._whole.append(position)
+
+    @property
+    def reading(self) -> bool:
+        return self._in_flight > 0
+
+    def completed(self) -> list[int]:
+        completed, self._whole = self._whole, []
+        return completed
+
+
 SinkFor = Callable[[Selection, LoadMetrics], Sink]
 
 
