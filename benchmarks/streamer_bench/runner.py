@@ -4,6 +4,7 @@ it claims was reached and verified ("remote" for S3 sources: nothing on this mac
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import json
 import os
 import random
@@ -23,7 +24,20 @@ from streamer_bench.child import RESULT_MARK
 from streamer_bench.loaders import CONTROLLED_ENV, Setting
 from streamer_bench.units import format_bytes, gbps
 
-_PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory that holds ``streamer/``
+
+def _package_roots() -> list[str]:
+    """Where children import from: the directory holding this ``streamer_bench``, and the one holding
+    the installed ``streamer``, found on the path without the working directory (from a checkout's
+    root that is the source tree, whose ``streamer/`` has no built engine)."""
+    roots = [str(Path(__file__).resolve().parents[1])]
+    search = [entry for entry in sys.path if entry not in ("", os.getcwd())]
+    spec = importlib.machinery.PathFinder.find_spec("streamer", search)
+    if spec is not None and spec.origin is not None:
+        installed = str(Path(spec.origin).resolve().parents[1])
+        if installed not in roots:
+            roots.append(installed)
+    return roots
+
 T = TypeVar("T")
 
 
@@ -66,12 +80,12 @@ def stopping_on_signals() -> Iterator[None]:
 def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, str]:
     """The parent's environment minus the knobs a setting controls, plus that setting's own.
 
-    ``own_package`` puts this streamer first on the child's path; a baseline interpreter keeps
-    the streamer it has installed instead.
+    ``own_package`` puts this bench and the installed streamer first on the child's path; a
+    baseline interpreter keeps the streamer it has installed instead.
     """
     env = {k: v for k, v in os.environ.items() if k not in CONTROLLED_ENV}
     if own_package:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join([*_package_roots(), *filter(None, [env.get("PYTHONPATH")])])
     else:
         env.pop("PYTHONPATH", None)
     return env | extra

@@ -15,7 +15,7 @@ import torch
 
 from streamer.backends.base import Storage
 from streamer.config import UNLIMITED, StreamerConfig
-from streamer.destinations import copy_engine
+from streamer.destinations import copy_engine, parse_device
 from streamer.destinations.buffers import MemoryBudget, allocate_buffer, empty_tensor, tensor_view
 from streamer.destinations.ring import RingCache
 from streamer.destinations.targets import ExistingTensors, NewMemory
@@ -82,7 +82,8 @@ def fill(
         check_destination(checkpoint, name, tensor)
         by_device.setdefault(tensor.device, []).append(name)
     rings = RingCache()
-    for device, names in by_device.items():
+    for where, names in by_device.items():
+        device = parse_device(where)
         refs = [checkpoint.tensors[name] for name in names if checkpoint.tensors[name].entry.nbytes > 0]
         engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
         tensors = {name: dest[name] for name in names}

@@ -112,15 +112,21 @@ async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
 
 
 class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
-    """One event loop on one background thread, its requests, and their counters."""
+    """One event loop on one background thread, its requests, and their counters.
 
-    def __init__(self, settings: RetrySettings, thread_name: str) -> None:
+    ``store`` names the store in metrics (``<store>_files``) and thread names; ``concurrency`` is
+    how many ranged GETs a run keeps in flight (one connection each).
+    """
+
+    def __init__(self, settings: RetrySettings, store: str, concurrency: int) -> None:
         self.settings = settings
+        self.store = store
+        self.concurrency = concurrency
         self.requests = 0
         self.retries = 0
         self.bytes_fetched = 0
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=thread_name, daemon=True)
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"streamer-{store}", daemon=True)
         self._thread.start()
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:

@@ -22,6 +22,7 @@ aiobotocore and botocore are imported only when a client is made: ``import strea
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Mapping
@@ -54,6 +55,7 @@ _PRESIGN_SECONDS = 3600
 _LIST_PAGE_BYTES = 1 << 20  # a ListObjectsV2 page's size bound, for its attempt deadline
 
 
+@functools.cache
 def _data_loader() -> Any:
     """botocore's loader of service models and endpoints, shared by every session (it only caches
     files it parsed). Sessions and credentials stay per client."""
@@ -78,7 +80,7 @@ class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
 
     def __init__(self, config: S3Config, *, pool: int | None = None) -> None:
         require_s3()
-        super().__init__(config, "streamer-s3")
+        super().__init__(config, "s3", config.concurrency)
         self.config = config
         self._context: Any = None
         self._client: Any = None

@@ -4,7 +4,7 @@
 Opening lists the prefix or reads the index, then fetches the front of every file, all files at
 once, each with one speculative ranged GET of the first ``header_bytes`` (which also gives the
 object's size and ETag); ``read_ranges`` fetches the rest of a header longer than that. The one
-client (``client.py``) is made on first use and serves every run of the handle (``feeder.py``)
+client (``client.py``) is made on first use and serves every run of the handle (``backends/http/feeder.py``)
 until ``close()``.
 """
 
@@ -26,8 +26,8 @@ from streamer.backends.base import (
     Storage,
     StoredFile,
 )
+from streamer.backends.http.feeder import ObjectFeeder
 from streamer.backends.s3.client import ClientHolder, S3Client
-from streamer.backends.s3.feeder import S3Feeder
 from streamer.backends.s3.uri import ObjectInfo, S3Uri, parse_uri
 from streamer.backends.sources import (
     INDEX_SUFFIX,
@@ -76,7 +76,7 @@ class S3Storage(Storage):
     def feed(
         self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
     ) -> Feed:
-        return S3Feeder(self._holder.get(), engine, [s3_object(file) for file in files])
+        return ObjectFeeder(self._holder.get(), engine, [s3_object(file) for file in files])
 
     @property
     def config(self) -> S3Config:

@@ -1,4 +1,4 @@
-"""The S3 part of one run: worker tasks fetch blocks straight into the run's buffers.
+"""An HTTP object store's part of one run: worker tasks fetch blocks straight into the run's buffers.
 
 A fixed number of worker tasks (the ``concurrency``) on the client's event loop pull blocks from a
 queue, fetch each with a ranged GET whose body is received straight into the block's destination
@@ -11,17 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Generic
 
 from streamer.backends.base import ExternalFeed
-from streamer.backends.http.client import cancel_all
+from streamer.backends.http.client import Fatal, NameT, ObjectStoreClient, ObjectT, cancel_all
 from streamer.backends.http.connection import Connection
-from streamer.backends.s3.client import S3Client
-from streamer.backends.s3.uri import ObjectInfo
 from streamer.engine import native
-from streamer.errors import S3Error
+from streamer.errors import StreamerError
 
 
-class S3Feeder(ExternalFeed):
+class ObjectFeeder(ExternalFeed, Generic[NameT, ObjectT]):
     """Fetches the blocks of ``objects`` (engine files 0..n-1) for one run and credits them.
 
     ``submit`` may be called from the run's thread at any time; ``close`` (before the engine
@@ -29,7 +28,9 @@ class S3Feeder(ExternalFeed):
     destination memory any more. Its counters are the run's share of the shared client's.
     """
 
-    def __init__(self, client: S3Client, engine: native.Engine, objects: Sequence[ObjectInfo]) -> None:
+    def __init__(
+        self, client: ObjectStoreClient[NameT, ObjectT], engine: native.Engine, objects: Sequence[ObjectT]
+    ) -> None:
         super().__init__(engine, len(objects))
         self._client = client
         self._objects = tuple(objects)
@@ -37,9 +38,9 @@ class S3Feeder(ExternalFeed):
         self._queue: asyncio.Queue[native.Block] | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._closed = False
-        deadline = client.config.load_deadline
+        deadline = client.settings.load_deadline
         self._until = None if deadline is None else time.monotonic() + deadline
-        client.call(self._start(client.config.concurrency))
+        client.call(self._start(client.concurrency))
 
     async def _start(self, concurrency: int) -> None:
         self._queue = asyncio.Queue()
@@ -76,17 +77,15 @@ class S3Feeder(ExternalFeed):
             view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
             try:
                 await self._client.fetch_into(connection, info, begin, end, view, until=self._until)
-            except S3Error as error:
+            except StreamerError as error:
                 self.fail(error, block)
                 continue
             except Exception as exc:  # a bug must still end the run, never hang it
+                failure = Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
+                name = self._client.name_of(info)
+                reason = failure.reason
                 self.fail(
-                    S3Error(
-                        f"unexpected failure: {type(exc).__name__}: {exc}",
-                        bucket=info.uri.bucket,
-                        key=info.uri.key,
-                        byte_range=(begin, end),
-                    ),
+                    self._client.error(failure, name, (begin, end), 1, reason=reason, source_errors=False),
                     block,
                 )
                 continue
@@ -97,7 +96,7 @@ class S3Feeder(ExternalFeed):
     def stats(self) -> dict[str, int]:
         client = self._client
         return {
-            "s3_files": len(self._objects),
+            f"{client.store}_files": len(self._objects),
             "requests": client.requests - self._counted[0],
             "retries": client.retries - self._counted[1],
             "bytes_fetched": client.bytes_fetched - self._counted[2],
