@@ -2,7 +2,7 @@
 
 from streamer._version import __version__
 from streamer.api import IncompatibleKeys, Streamer, load, load_file, load_into, open
-from streamer.config import CacheConfig, S3Config, StreamerConfig
+from streamer.config import CacheConfig, GCSConfig, S3Config, StreamerConfig
 from streamer.dropin import TensorSlice, safe_open
 from streamer.errors import (
     ConfigError,
@@ -12,6 +12,9 @@ from streamer.errors import (
     KeyMismatchError,
     MissingFileError,
     MissingTensorError,
+    ObjectMissingError,
+    ObjectSourceError,
+    ObjectStoreError,
     PackedSliceError,
     ReadError,
     S3Error,
@@ -28,11 +31,15 @@ __all__ = [
     "ConfigError",
     "DeviceError",
     "FileClosedError",
+    "GCSConfig",
     "HeaderError",
     "IncompatibleKeys",
     "KeyMismatchError",
     "MissingFileError",
     "MissingTensorError",
+    "ObjectMissingError",
+    "ObjectSourceError",
+    "ObjectStoreError",
     "PackedSliceError",
     "ReadError",
     "S3Config",

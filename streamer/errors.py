@@ -118,10 +118,12 @@ class DeviceError(StreamerError):
     """The requested destination device is unknown or unavailable."""
 
 
-class S3Error(ReadError):
-    """An S3 request failed for good: after its retries, or at once for a permanent error
-    (403, 404, a changed object). Names the object, the byte range, the HTTP status and the tries;
-    never a credential."""
+class ObjectStoreError(ReadError):
+    """An object-store request (S3, GCS) failed for good: after its retries, or at once for a
+    permanent error (403, 404, a changed object). Names the object, the byte range, the HTTP status
+    and the tries; never a credential."""
+
+    scheme = "object"  # what the object's URI starts with, before ``://``
 
     def __init__(
         self,
@@ -134,7 +136,10 @@ class S3Error(ReadError):
         code: str | None = None,
         attempts: int = 1,
         tensor: str | None = None,
+        scheme: str | None = None,
     ) -> None:
+        if scheme is not None:
+            self.scheme = scheme
         self.bucket = bucket
         self.key = key
         self.byte_range = byte_range  # [begin, end) of the object
@@ -151,16 +156,31 @@ class S3Error(ReadError):
         details.append(f"{attempts} attempt{'s' if attempts != 1 else ''}")
         super().__init__(
             f"{message} [{', '.join(details)}]",
-            path=f"s3://{bucket}/{key}",
+            path=f"{self.scheme}://{bucket}/{key}",
             tensor=tensor,
             offset=None,
         )
 
 
-class S3SourceError(SourceError, S3Error):
+class ObjectSourceError(SourceError, ObjectStoreError):
     """The bucket, object or prefix does not exist or access is denied (403, 404, empty prefix)."""
 
 
-class S3MissingError(S3SourceError, FileNotFoundError):
+class ObjectMissingError(ObjectSourceError, FileNotFoundError):
+    """The bucket or object does not exist (404): also a ``FileNotFoundError``, as a missing local
+    file is."""
+
+
+class S3Error(ObjectStoreError):
+    """An S3 request failed for good (see ``ObjectStoreError``)."""
+
+    scheme = "s3"
+
+
+class S3SourceError(ObjectSourceError, S3Error):
+    """The bucket, object or prefix does not exist or access is denied (403, 404, empty prefix)."""
+
+
+class S3MissingError(S3SourceError, ObjectMissingError):
     """The bucket or object does not exist (404): also a ``FileNotFoundError``, as a missing local
     file is."""

@@ -102,6 +102,18 @@ def s3_server() -> Iterator[str]:
         srv.stop()
 
 
+# Request bounds for object-store tests on 127.0.0.1: failing cases end in seconds.
+FAST_BOUNDS: dict[str, Any] = {
+    "concurrency": 8,
+    "max_attempts": 5,
+    "retry_deadline": 30.0,
+    "connect_timeout": 2.0,
+    "read_timeout": 1.0,
+    "backoff_base": 0.01,
+    "backoff_max": 0.05,
+}
+
+
 def loopback_s3_config(
     endpoint: str, credentials: tuple[str, str, str], **overrides: Any
 ) -> S3Config:
@@ -116,13 +128,7 @@ def loopback_s3_config(
         "access_key_id": access_key,
         "secret_access_key": secret_key,
         "session_token": token,
-        "concurrency": 8,
-        "max_attempts": 5,
-        "retry_deadline": 30.0,
-        "connect_timeout": 2.0,
-        "read_timeout": 1.0,
-        "backoff_base": 0.01,
-        "backoff_max": 0.05,
+        **FAST_BOUNDS,
     }
     values.update(overrides)
     return S3Config(**values)

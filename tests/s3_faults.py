@@ -4,7 +4,7 @@ Every request is forwarded to the upstream S3 server (moto) unchanged (so SigV4 
 a request that matches a queued fault gets that fault instead of (or on top of) the real answer:
 
 - ``503`` / ``429`` / ``500``: an S3 XML error (SlowDown, TooManyRequests, InternalError);
-- ``403`` / ``404``: AccessDenied / NoSuchKey;
+- ``401`` / ``403`` / ``404``: Unauthorized / AccessDenied / NoSuchKey;
 - ``reset``: the real status line, headers and part of the body, then a TCP reset;
 - ``short``: the real headers (full Content-Length) and part of the body, then a clean close;
 - ``stall``: the real headers and part of the body, then silence for ``stall_seconds``.
@@ -39,6 +39,7 @@ _ERRORS = {
     "503": (503, "Service Unavailable", "SlowDown", "Please reduce your request rate."),
     "429": (429, "Too Many Requests", "TooManyRequests", "Too many requests."),
     "500": (500, "Internal Server Error", "InternalError", "We encountered an internal error."),
+    "401": (401, "Unauthorized", "Unauthorized", "The credentials were refused."),
     "403": (403, "Forbidden", "AccessDenied", "Access Denied"),
     "404": (404, "Not Found", "NoSuchKey", "The specified key does not exist."),
 }

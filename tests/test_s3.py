@@ -275,7 +275,7 @@ def test_an_index_entry_outside_its_prefix_is_refused(s3_server: str, s3: Any, e
 def test_an_index_object_over_the_limit_is_refused_from_its_size(
     s3_server: str, s3: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(streamer.backends.s3.storage, "MAX_INDEX_BYTES", 1000)
+    monkeypatch.setattr(streamer.backends.http.storage, "MAX_INDEX_BYTES", 1000)
     s3.put_object(Bucket=BUCKET, Key="huge/model.safetensors.index.json", Body=b" " * 5000)
     with pytest.raises(S3SourceError, match="more than the limit of 1000") as info:
         streamer.load(f"s3://{BUCKET}/huge/model.safetensors.index.json", config=cfg(s3_server))

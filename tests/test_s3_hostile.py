@@ -279,16 +279,20 @@ def endless(same_token: bool) -> Fault:
     return fault
 
 
+SHORT_FRONT = 16  # header_bytes of the long-header cases: every header is longer
+
+
 def on(kind: str, fault: Fault, times: int | None = None, then: Fault | None = None) -> Plan:
     """``fault`` for requests of ``kind``: the first ``times`` of them (then ``then``), or all.
 
-    ``header-rest``: the second GET of a header longer than ``header_bytes``."""
+    ``header-rest``: the second GET of a header longer than ``header_bytes`` (``SHORT_FRONT`` in
+    those cases): it asks from byte ``SHORT_FRONT`` on, where no data GET starts."""
     hits = 0
     lock = threading.Lock()
 
     def plan(request: Request) -> Fault | None:
         nonlocal hits
-        rest_of_a_header = request.kind == "header" and request.first > 0
+        rest_of_a_header = request.kind in ("header", "data") and request.first == SHORT_FRONT
         if request.kind != kind and not (kind == "header-rest" and rest_of_a_header):
             return None
         with lock:
@@ -468,21 +472,21 @@ CASES: dict[str, Case] = {
     "header-reset-once": Case(on("header", cut, 1)),
     "header-chunked": Case(on("header", chunked)),
     "header-interim-100-continue": Case(on("header", interim)),
-    # the rest of a header longer than header_bytes (a second GET, through aiobotocore)
+    # the rest of a header longer than header_bytes (a second GET, on the data path's client)
     "long-header-wrong-content-range": Case(
-        on("header-rest", send(shifted_range)), S3Error, "not ", 3, overrides={"header_bytes": 16}
+        on("header-rest", send(shifted_range)), S3Error, "not ", 3, overrides={"header_bytes": SHORT_FRONT}
     ),
-    "long-header-cut-once": Case(on("header-rest", cut, 1), overrides={"header_bytes": 16}),
+    "long-header-cut-once": Case(on("header-rest", cut, 1), overrides={"header_bytes": SHORT_FRONT}),
     "long-header-new-etag": Case(
         on("header-rest", send(other_version)),
         S3Error,
         CHANGED,
         1,
         honour_if_match=False,
-        overrides={"header_bytes": 16},
+        overrides={"header_bytes": SHORT_FRONT},
     ),
     "long-header-no-etag": Case(
-        on("header-rest", send(no_etag)), S3Error, "no ETag", 1, overrides={"header_bytes": 16}
+        on("header-rest", send(no_etag)), S3Error, "no ETag", 1, overrides={"header_bytes": SHORT_FRONT}
     ),
     # a broken safetensors header
     "broken-safetensors-header": Case(lambda r: None, HeaderError, data=lambda c: b"\xff" * 8 + c.data[8:]),

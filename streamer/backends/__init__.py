@@ -1,6 +1,7 @@
 """Where checkpoints live: one ``Storage`` per place (``base.py``), chosen by the source's scheme.
 
-A plain path is a local file (``local.py``); ``s3://`` is S3 (``s3/``); another storage registers
+A plain path is a local file (``local.py``); ``s3://`` is S3 (``s3/``), ``gs://`` Google Cloud
+Storage (``gcs/``), both on the shared object-store client (``http/``); another storage registers
 its scheme with ``register`` (one module: the storage, its feed, its resolution).
 """
 
@@ -33,7 +34,13 @@ def _s3(config: StreamerConfig) -> Storage:
     return CachedS3Storage(storage, config.cache, config.s3.endpoint_url)
 
 
-_FACTORIES: dict[str, Factory] = {"s3": _s3}
+def _gcs(config: StreamerConfig) -> Storage:
+    from streamer.backends.gcs.storage import GcsStorage  # aiohttp and google-auth only then
+
+    return GcsStorage(config.gcs)
+
+
+_FACTORIES: dict[str, Factory] = {"s3": _s3, "gs": _gcs}
 
 
 def register(scheme: str, factory: Factory) -> None:
@@ -51,7 +58,9 @@ def scheme_of(source: SourceLike) -> str | None:
         return uri_scheme(os.fspath(source))
     schemes = {scheme_of(item) for item in source}
     if len(schemes) > 1:
-        raise SourceError("a checkpoint's files must be in one place (all local or all on S3), not a mix")
+        raise SourceError(
+            "a checkpoint's files must be in one place (all local or all on S3 or all on GCS), not a mix"
+        )
     return schemes.pop() if schemes else None
 
 

@@ -1,4 +1,4 @@
-"""The optional dependencies of s3:// sources, checked where they are first needed.
+"""The optional dependencies of s3:// and gs:// sources, checked where they are first needed.
 
 S3 is the ``[s3]`` extra (aiobotocore, which brings botocore and aiohttp), not a dependency: a
 local-only install stays free of aiobotocore's narrow botocore pins. Opening an ``s3://`` source
@@ -13,11 +13,22 @@ from streamer.errors import ConfigError
 
 S3_MODULES = ("aiobotocore", "botocore", "aiohttp")
 S3_INSTALL = "pip install 'streamer-weights[s3]'"
+GCS_MODULES = ("aiohttp", "google.auth", "requests")
+GCS_INSTALL = "pip install 'streamer-weights[gcs]'"
 
 
 def require_s3() -> None:
     """Imports what S3 reads need; ``ConfigError`` naming the pip command if one is missing."""
-    for name in S3_MODULES:
+    _require(S3_MODULES, "s3://", "S3", S3_INSTALL)
+
+
+def require_gcs() -> None:
+    """Imports what GCS reads need; ``ConfigError`` naming the pip command if one is missing."""
+    _require(GCS_MODULES, "gs://", "GCS", GCS_INSTALL)
+
+
+def _require(modules: tuple[str, ...], scheme: str, extra: str, install: str) -> None:
+    for name in modules:
         try:
             importlib.import_module(name)
         except ImportError as exc:
@@ -25,7 +36,9 @@ def require_s3() -> None:
             break
     else:
         return
-    raise ConfigError(f"reading s3:// sources needs the S3 extra ({missing!r} does not import): {S3_INSTALL}")
+    raise ConfigError(
+        f"reading {scheme} sources needs the {extra} extra ({missing!r} does not import): {install}"
+    )
 
 
 def require_cache() -> None:
@@ -37,3 +50,4 @@ def require_cache() -> None:
     else:
         return
     raise ConfigError(f"the local cache (StreamerConfig.cache) needs 'xxhash': {S3_INSTALL}")
+

@@ -115,6 +115,68 @@ class S3Config:
         return f"S3Config({', '.join(shown)})"
 
 
+GCS_ENDPOINT = "https://storage.googleapis.com"
+
+
+def _emulator(value: object) -> str | None:
+    """``STORAGE_EMULATOR_HOST`` as Google's clients read it: a URL, or ``host:port`` (plain HTTP)."""
+    host = text()(value)
+    if not host:
+        return None
+    return host if "://" in host else f"http://{host}"
+
+
+@dataclass(frozen=True)
+class GCSConfig:
+    """How ``gs://`` sources are read. Credentials are Google's Application Default Credentials
+    (``GOOGLE_APPLICATION_CREDENTIALS``, workload identity or the metadata server, gcloud's user
+    credentials), through ``google-auth``; tokens are refreshed before they expire.
+
+    concurrency: ranged GETs in flight at once (one connection each).
+    endpoint_url: the JSON API's endpoint (requests carry credentials); default Google's.
+    emulator_host: an emulator (``STORAGE_EMULATOR_HOST``, as Google's clients read it), reached
+        without credentials, where no ``endpoint_url`` is given.
+    anonymous: unauthenticated requests (public buckets); no credentials are looked up.
+    require_generation: every response must carry the generation the header read saw
+        (``x-goog-generation``); ``False`` accepts a server that sends none.
+    The request bounds (``max_attempts`` ... ``max_list_pages``, ``header_bytes``) mean what
+    ``S3Config``'s do.
+    """
+
+    concurrency: int = setting(count(1, 1024), 64, env="STREAMER_GCS_CONCURRENCY")
+    endpoint_url: str | None = setting(text())
+    emulator_host: str | None = setting(_emulator, env="STORAGE_EMULATOR_HOST")
+    anonymous: bool = setting(flag(), False, env="STREAMER_GCS_ANONYMOUS")
+    require_generation: bool = setting(flag(), True, env="STREAMER_GCS_REQUIRE_GENERATION")
+    ca_bundle: str | None = setting(text())
+    verify: bool = setting(flag(), True)
+    max_attempts: int = setting(count(1), 8, env="STREAMER_GCS_MAX_ATTEMPTS")
+    retry_deadline: float = setting(seconds(), 120.0)
+    connect_timeout: float = setting(seconds(), 10.0)
+    read_timeout: float = setting(seconds(), 30.0, env="STREAMER_GCS_READ_TIMEOUT")
+    backoff_base: float = setting(seconds(), 0.1)
+    backoff_max: float = setting(seconds(), 5.0)
+    header_bytes: int = setting(size(16), 256 << 10)
+    min_rate: int = setting(size(), 64 << 10, env="STREAMER_GCS_MIN_RATE")
+    attempt_allowance: float = setting(seconds(), 20.0)
+    low_speed_window: float = setting(seconds(), 10.0)
+    low_speed_tries: int = setting(count(1), 3)
+    load_deadline: float | None = setting(seconds(optional=True), env="STREAMER_GCS_LOAD_DEADLINE")
+    max_list_pages: int = setting(count(1), 10_000)
+
+    def __post_init__(self) -> None:
+        parse_fields(self, section="gcs.")
+
+    @property
+    def emulated(self) -> bool:
+        """Requests go to the emulator: without credentials, as Google's clients send them."""
+        return self.endpoint_url is None and self.emulator_host is not None
+
+    @property
+    def endpoint(self) -> str:
+        return (self.endpoint_url or self.emulator_host or GCS_ENDPOINT).rstrip("/")
+
+
 def _group(value: object) -> int | None:
     """A group of this host, by name or gid; its gid."""
     if value is None:
@@ -237,6 +299,7 @@ class StreamerConfig:
         ``None``, or the variable set to ``none``, sends pieces through the group's collectives).
         Ranks that cannot all map the same files (other hosts, other containers, a full tmpfs)
         fall back to the collectives on their own.
+    s3, gcs: how ``s3://`` and ``gs://`` sources are read (``S3Config``, ``GCSConfig``).
     cache: a local cache in front of object storage (off unless ``cache.dir`` is set).
     """
 
@@ -247,6 +310,7 @@ class StreamerConfig:
     hugepages: bool = setting(flag(), hugepages_by_default, env="STREAMER_HUGEPAGES")
     page_fill: bool | None = setting(flag(optional=True), env="STREAMER_PAGE_FILL")
     s3: S3Config = field(default_factory=S3Config)
+    gcs: GCSConfig = field(default_factory=GCSConfig)
     inline_max_bytes: int = setting(size(0), 8 << 20, env="STREAMER_INLINE_MAX_BYTES")
     group_timeout: float = setting(seconds(), 30.0, env="STREAMER_GROUP_TIMEOUT")
     group_verify: GroupVerify = setting(choice(GROUP_VERIFY), "sampled", env="STREAMER_GROUP_VERIFY")

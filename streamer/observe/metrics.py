@@ -95,12 +95,13 @@ class LoadMetrics:
             "read_s": self.engine.get("read_seconds", 0.0),
             "worker_idle_s": self.engine.get("idle_seconds", 0.0),
             "s3_files": self.storage.get("s3_files", 0),
+            "gcs_files": self.storage.get("gcs_files", 0),
             "prefault_bytes": self.prefault_bytes,
             "page_fill": self.page_fill,
             "filled_bytes": int(self.engine.get("bytes_filled", 0)),  # placed through the page fill
             "mapped_bytes": int(self.engine.get("bytes_mapped", 0)),  # of those, straight from the cache
-            "requests": self.storage.get("requests", 0),  # S3 requests, retries included
-            "retries": self.storage.get("retries", 0),  # S3 tries that failed and were retried
+            "requests": self.storage.get("requests", 0),  # object-store requests, retries included
+            "retries": self.storage.get("retries", 0),  # object-store tries that failed and were retried
             "cache_hit_bytes": self.storage.get("cache_hit_bytes", 0),  # cache: chunk bytes read from it
             "cache_miss_bytes": self.storage.get("cache_miss_bytes", 0),  # cache: chunk bytes fetched from S3
             "cache_write_bytes": self.storage.get("cache_write_bytes", 0),  # cache: chunk bytes stored

@@ -2,7 +2,7 @@
 
 Keys (all optional): ``concurrency`` (reader threads), ``block_size`` and ``memory_limit`` (bytes,
 as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unbounded), and
-``weights`` (a local file, directory, ``*.index.json`` or ``s3://`` URI holding the safetensors,
+``weights`` (a local file, directory, ``*.index.json``, ``s3://`` or ``gs://`` URI holding the safetensors,
 KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed", "cache_dir", "cache_max_bytes")
 ``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an unset
 ``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
@@ -55,7 +55,7 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     changes["cache"] = dataclasses.replace(defaults.cache, **cache)
     weights = extra.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
-        raise ConfigError(f"weights must be a path or an s3:// URI, got {weights!r}")
+        raise ConfigError(f"weights must be a path or an s3:// or gs:// URI, got {weights!r}")
     distributed = extra.get("distributed", True)
     if not isinstance(distributed, bool):
         raise ConfigError(f"distributed must be true or false, got {distributed!r}")
@@ -63,8 +63,11 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     return LoaderOptions(config=config, weights=weights, distributed=distributed)
 
 
+REMOTE_SCHEMES = ("s3://", "gs://")
+
+
 def is_remote(location: str) -> bool:
-    return location.startswith("s3://")
+    return location.startswith(REMOTE_SCHEMES)
 
 
 def weights_source(options: LoaderOptions, model: str) -> str:

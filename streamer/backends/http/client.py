@@ -3,12 +3,15 @@ speed and retried with backoff, and ranged GETs received straight into destinati
 
 A store subclasses ``ObjectStoreClient`` and supplies these, nothing else:
 
-- ``sign(obj)``: where a GET of the object goes and how it is authorised (S3: a presigned URL);
+- ``sign(obj)``: where a GET of the object goes and how it is authorised (S3: a presigned URL;
+  GCS: a bearer token);
 - ``identity_headers(obj)`` and ``verify(obj, headers)``: the identity rule (S3: ``If-Match`` with
   the ETag the open saw, and the ETag of every answer compared with it);
 - ``classify(exc)``: whether a failure is worth another try (``Retry``) or not (``Fatal``);
-- ``name_of(obj)`` and ``error(failure, name, ...)``: the store's typed error naming the object;
-- ``release()``: closing what it opened on the loop (an SDK client), if anything.
+- ``error_type(failure, ...)``: the store's typed error for a failed request;
+- the control plane an open needs: ``get_start``, ``get_object``, ``list_keys`` (and what a
+  missing bucket and an empty prefix are called);
+- ``release()``: closing what it opened on the loop (an SDK client).
 
 The range-response check (status, ``Content-Range`` exactly the bytes asked for of an object of
 the size the open saw, exact length, no encoding) is the same for every store (``response.py``).
@@ -26,12 +29,13 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from streamer.backends.http.connection import Connection, ssl_context
 from streamer.backends.http.endpoint import Target
+from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.http.timing import LowSpeed, TooSlow, bounded
-from streamer.errors import StreamerError
+from streamer.errors import ObjectSourceError, ObjectStoreError
 
 T = TypeVar("T")
 
@@ -83,17 +87,6 @@ class RetrySettings(Protocol):
     def verify(self) -> bool: ...
 
 
-class StoredObject(Protocol):
-    """An object as the open saw it: what a ranged GET of it is checked against."""
-
-    @property
-    def size(self) -> int: ...
-
-
-ObjectT = TypeVar("ObjectT", bound=StoredObject)
-NameT = TypeVar("NameT")
-
-
 async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
     """Cancels the tasks and waits until every one has ended.
 
@@ -111,7 +104,7 @@ async def cancel_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
             task.exception()
 
 
-class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
+class ObjectStoreClient(abc.ABC):
     """One event loop on one background thread, its requests, and their counters.
 
     ``store`` names the store in metrics (``<store>_files``) and thread names; ``concurrency`` is
@@ -151,25 +144,22 @@ class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
         await self.release()
         await asyncio.sleep(0)  # let closed transports run their connection_lost callbacks
 
-    async def release(self) -> None:
-        """Closes what the store opened on the loop (an SDK client); called once, by ``close``."""
-
     # --- what a store supplies ------------------------------------------------------------
 
     @abc.abstractmethod
-    def name_of(self, obj: ObjectT) -> NameT:
-        """What errors about ``obj`` name (S3: bucket and key)."""
+    async def release(self) -> None:
+        """Closes what the store opened on the loop (an SDK client); called once, by ``close``."""
 
     @abc.abstractmethod
-    async def sign(self, obj: ObjectT) -> Target:
-        """Where a GET of ``obj`` goes, authorised."""
+    async def sign(self, obj: StoredObject) -> tuple[Target, dict[str, str]]:
+        """Where a GET of ``obj`` goes, and the headers that authorise it (none for a presigned URL)."""
 
     @abc.abstractmethod
-    def identity_headers(self, obj: ObjectT) -> dict[str, str]:
+    def identity_headers(self, obj: StoredObject) -> dict[str, str]:
         """Headers that make the server refuse a GET of another version of ``obj``."""
 
     @abc.abstractmethod
-    def verify(self, obj: ObjectT, headers: Mapping[str, str]) -> bool:
+    def verify(self, obj: StoredObject, headers: Mapping[str, str]) -> bool:
         """Refuses (raises ``Fatal``) an answer from another version of ``obj``; True when the
         answer proved its version (a prefix of a later-broken body may then count)."""
 
@@ -178,19 +168,58 @@ class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
         """What a failed try means."""
 
     @abc.abstractmethod
+    def error_type(self, failure: Retry | Fatal, *, source_errors: bool) -> type[ObjectStoreError]:
+        """The store's error type for a request that failed for good: ``failure`` is fatal, or the
+        last of a retried request. ``source_errors``: a missing or forbidden object does not
+        resolve the source (an ``ObjectSourceError``), rather than went away during a load."""
+
     def error(
         self,
         failure: Retry | Fatal,
-        name: NameT,
+        uri: ObjectUri,
         byte_range: tuple[int, int] | None,
         attempts: int,
         *,
         reason: str,
         source_errors: bool,
-    ) -> StreamerError:
-        """The typed error naming ``name`` for a request that failed for good: ``failure`` is
-        fatal, or the last of a retried request (``reason`` says why it gave up).
-        ``source_errors``: a missing or forbidden object does not resolve the source."""
+    ) -> ObjectStoreError:
+        """The typed error naming ``uri`` (``reason`` says what failed, or why it gave up)."""
+        kind = self.error_type(failure, source_errors=source_errors)
+        return kind(
+            reason,
+            bucket=uri.bucket,
+            key=uri.key,
+            byte_range=byte_range,
+            status=failure.status,
+            code=failure.code,
+            attempts=attempts,
+            scheme=uri.scheme,
+        )
+
+    # --- the control plane: what opening a source needs -----------------------------------
+
+    uri_type: ClassVar[type[ObjectUri]]  # the store's URIs
+    header_bytes: int  # bytes fetched speculatively from the start of each file
+
+    @abc.abstractmethod
+    async def get_start(self, uri: ObjectUri, length: int) -> tuple[bytes, StoredObject]:
+        """Up to ``length`` bytes from the start of the object, and the object (size, version)."""
+
+    @abc.abstractmethod
+    async def get_object(self, uri: ObjectUri, limit: int) -> bytes:
+        """A whole small object (an index); ``ObjectSourceError`` when it is over ``limit`` bytes."""
+
+    @abc.abstractmethod
+    async def list_keys(self, bucket: str, prefix: str) -> list[str]:
+        """Keys directly under ``prefix`` (not in sub-"directories"), sorted; bounded in pages."""
+
+    @abc.abstractmethod
+    def bucket_missing(self, error: ObjectSourceError) -> bool:
+        """Whether a 404 said the bucket, not the object, is missing."""
+
+    @abc.abstractmethod
+    def source_error(self, message: str, uri: ObjectUri) -> ObjectSourceError:
+        """The store's error for a source that does not resolve (an empty prefix)."""
 
     # --- requests (coroutines: run them on the loop) ---------------------------------------
 
@@ -200,7 +229,7 @@ class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
 
     async def retrying(
         self,
-        name: NameT,
+        uri: ObjectUri,
         byte_range: tuple[int, int] | None,
         once: Callable[[LowSpeed], Coroutine[Any, Any, T]],
         *,
@@ -248,7 +277,7 @@ class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
                         failure = Retry(f"the try ran past its {budget:.3g} s (min_rate)")
             if isinstance(failure, Fatal):
                 raise self.error(
-                    failure, name, byte_range, attempts, reason=failure.reason, source_errors=source_errors
+                    failure, uri, byte_range, attempts, reason=failure.reason, source_errors=source_errors
                 )
             delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
             out_of_time = time.monotonic() - started + delay > c.retry_deadline
@@ -262,9 +291,23 @@ class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
                 else:
                     why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
                 reason = f"{why}: {failure.reason}"
-                raise self.error(failure, name, byte_range, attempts, reason=reason, source_errors=False)
+                raise self.error(failure, uri, byte_range, attempts, reason=reason, source_errors=False)
             self.retries += 1
             await asyncio.sleep(delay)
+
+    async def get_bytes(
+        self, obj: StoredObject, begin: int, end: int, *, source_errors: bool = False
+    ) -> bytes:
+        """Bytes ``[begin, end)`` of the object the header read saw, on a connection of their own."""
+        buffer = bytearray(end - begin)
+        connection = self.connection()
+        try:
+            await self.fetch_into(
+                connection, obj, begin, end, memoryview(buffer), source_errors=source_errors
+            )
+        finally:
+            connection.close()
+        return bytes(buffer)
 
     def connection(self) -> Connection:
         """A connection for ``fetch_into`` (one per worker; the caller closes it)."""
@@ -278,12 +321,13 @@ class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
     async def fetch_into(
         self,
         connection: Connection,
-        obj: ObjectT,
+        obj: StoredObject,
         begin: int,
         end: int,
         view: memoryview,
         *,
         until: float | None = None,
+        source_errors: bool = False,
     ) -> None:
         """Bytes ``[begin, end)`` of ``obj`` received straight into ``view``; a retry asks only for
         the bytes no verified response delivered."""
@@ -295,14 +339,22 @@ class ObjectStoreClient(abc.ABC, Generic[NameT, ObjectT]):
 
         async def once(speed: LowSpeed) -> None:
             nonlocal done
-            target = await self.sign(obj)
+            target, authorization = await self.sign(obj)
             self.requests += 1
             try:
                 await connection.get(
-                    target, begin + done, view[done:], headers, size=obj.size, verify=verify, speed=speed
+                    target,
+                    begin + done,
+                    view[done:],
+                    {**headers, **authorization},
+                    size=obj.size,
+                    verify=verify,
+                    speed=speed,
                 )
             finally:
                 done += connection.received
                 self.bytes_fetched += connection.received
 
-        await self.retrying(self.name_of(obj), (begin, end), once, nbytes=end - begin, until=until)
+        await self.retrying(
+            obj.uri, (begin, end), once, nbytes=end - begin, source_errors=source_errors, until=until
+        )

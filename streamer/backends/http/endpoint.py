@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import socket
+import urllib.request
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -48,10 +49,9 @@ class Proxy:
 
     @classmethod
     def for_target(cls, target: Target) -> Proxy | None:
-        """The proxy the environment names for ``target``, by botocore's rule (NO_PROXY included)."""
-        from botocore.utils import get_environ_proxies
-
-        url = get_environ_proxies(target.url).get(target.scheme)
+        """The proxy the environment names for ``target`` (``NO_PROXY`` included), by the rule of
+        ``urllib.request`` that botocore and requests follow too."""
+        url = None if _bypassed(target) else urllib.request.getproxies().get(target.scheme)
         if not url:
             return None
         if "://" not in url:  # "proxy:3128" or "//proxy:3128", as botocore accepts them
@@ -65,6 +65,13 @@ class Proxy:
             secret = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
             authorization = "Basic " + base64.b64encode(secret).decode("ascii")
         return cls(parts.hostname, parts.port or 80, authorization)
+
+
+def _bypassed(target: Target) -> bool:
+    try:
+        return bool(urllib.request.proxy_bypass(target.netloc))
+    except (TypeError, OSError):  # an unresolvable host: not bypassed, as botocore decides
+        return False
 
 
 class UnsupportedProxy(ValueError):

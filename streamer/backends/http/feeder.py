@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Generic
 
 from streamer.backends.base import ExternalFeed
-from streamer.backends.http.client import Fatal, NameT, ObjectStoreClient, ObjectT, cancel_all
+from streamer.backends.http.client import Fatal, ObjectStoreClient, cancel_all
 from streamer.backends.http.connection import Connection
+from streamer.backends.http.objects import StoredObject
 from streamer.engine import native
 from streamer.errors import StreamerError
 
 
-class ObjectFeeder(ExternalFeed, Generic[NameT, ObjectT]):
+class ObjectFeeder(ExternalFeed):
     """Fetches the blocks of ``objects`` (engine files 0..n-1) for one run and credits them.
 
     ``submit`` may be called from the run's thread at any time; ``close`` (before the engine
@@ -29,7 +29,7 @@ class ObjectFeeder(ExternalFeed, Generic[NameT, ObjectT]):
     """
 
     def __init__(
-        self, client: ObjectStoreClient[NameT, ObjectT], engine: native.Engine, objects: Sequence[ObjectT]
+        self, client: ObjectStoreClient, engine: native.Engine, objects: Sequence[StoredObject]
     ) -> None:
         super().__init__(engine, len(objects))
         self._client = client
@@ -82,10 +82,11 @@ class ObjectFeeder(ExternalFeed, Generic[NameT, ObjectT]):
                 continue
             except Exception as exc:  # a bug must still end the run, never hang it
                 failure = Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
-                name = self._client.name_of(info)
                 reason = failure.reason
                 self.fail(
-                    self._client.error(failure, name, (begin, end), 1, reason=reason, source_errors=False),
+                    self._client.error(
+                        failure, info.uri, (begin, end), 1, reason=reason, source_errors=False
+                    ),
                     block,
                 )
                 continue

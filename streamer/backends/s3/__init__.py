@@ -1,3 +1,4 @@
-"""S3, by job: ``uri`` (names), ``classify`` (what a failure means), ``redact`` (no credential in
-a log), ``client`` (the event-loop client and its verified requests), ``feeder`` (a run's blocks),
-``storage`` (the ``Storage``: resolution, header fronts, feeds)."""
+"""S3 on the shared object-store client (``backends/http/``), by job: ``uri`` (names),
+``classify`` (what a failure means), ``redact`` (no credential in a log), ``client`` (SigV4
+presigned GETs, the ETag rule, aiobotocore for header reads and listings), ``storage`` (the
+``Storage``)."""

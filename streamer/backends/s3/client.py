@@ -23,13 +23,13 @@ aiobotocore and botocore are imported only when a client is made: ``import strea
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from streamer.backends.http.client import Fatal, ObjectStoreClient, Retry
 from streamer.backends.http.endpoint import Target
+from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.http.response import content_range
 from streamer.backends.http.timing import LowSpeed
 from streamer.backends.optional import require_s3
@@ -47,7 +47,7 @@ from streamer.backends.s3.classify import (
 from streamer.backends.s3.redact import REDACTOR
 from streamer.backends.s3.uri import ObjectInfo, S3Uri
 from streamer.config import S3Config
-from streamer.errors import ConfigError, S3Error, S3MissingError, S3SourceError
+from streamer.errors import ConfigError, ObjectSourceError, S3Error, S3MissingError, S3SourceError
 
 T = TypeVar("T")
 
@@ -75,16 +75,17 @@ def _refused_config(exc: Exception, config: S3Config) -> ConfigError | None:
     return ConfigError(f"cannot make an S3 client for {where}: {type(exc).__name__}: {exc}")
 
 
-class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
+class S3Client(ObjectStoreClient):
     """An aiobotocore S3 client on a private event loop thread. Use as a context manager or ``close()``."""
 
     def __init__(self, config: S3Config, *, pool: int | None = None) -> None:
         require_s3()
         super().__init__(config, "s3", config.concurrency)
         self.config = config
+        self.header_bytes = config.header_bytes
         self._context: Any = None
         self._client: Any = None
-        self._targets: dict[S3Uri, tuple[Target, float]] = {}
+        self._targets: dict[ObjectUri, tuple[Target, float]] = {}
         self._secrets = [
             secret
             for secret in (config.access_key_id, config.secret_access_key, config.session_token)
@@ -183,49 +184,36 @@ class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
     def classify(self, exc: Exception) -> Retry | Fatal:
         return classify(exc)
 
-    def error(
-        self,
-        failure: Retry | Fatal,
-        name: S3Uri,
-        byte_range: tuple[int, int] | None,
-        attempts: int,
-        *,
-        reason: str,
-        source_errors: bool,
-    ) -> S3Error:
-        """``source_errors``: a missing or forbidden object raises ``S3SourceError`` (the source does
-        not resolve) rather than ``S3Error`` (it went away during the load)."""
-        where: dict[str, Any] = {
-            "bucket": name.bucket,
-            "key": name.key,
-            "byte_range": byte_range,
-            "status": failure.status,
-            "code": failure.code,
-            "attempts": attempts,
-        }
+    def error_type(self, failure: Retry | Fatal, *, source_errors: bool) -> type[S3Error]:
+        """A missing or forbidden object raises ``S3SourceError`` where it does not resolve the source,
+        ``S3Error`` where it went away during the load."""
         gone = source_errors and (
             failure.status in (403, 404, 407, *REDIRECTS) or failure.code in GONE_CODES | REDIRECT_CODES
         )
         missing = failure.status == 404 or failure.code in MISSING_CODES
-        kind = (S3MissingError if missing else S3SourceError) if gone else S3Error
-        return kind(reason, **where)
+        return (S3MissingError if missing else S3SourceError) if gone else S3Error
 
-    def name_of(self, obj: ObjectInfo) -> S3Uri:
-        return obj.uri
+    uri_type = S3Uri
 
-    def identity_headers(self, obj: ObjectInfo) -> dict[str, str]:
-        condition = if_match(obj.etag)
+    def bucket_missing(self, error: ObjectSourceError) -> bool:
+        return bool(error.code == "NoSuchBucket")
+
+    def source_error(self, message: str, uri: ObjectUri) -> S3SourceError:
+        return S3SourceError(message, bucket=uri.bucket, key=uri.key)
+
+    def identity_headers(self, obj: StoredObject) -> dict[str, str]:
+        condition = if_match(obj.version)
         return {"If-Match": condition} if condition else {}
 
-    def verify(self, obj: ObjectInfo, headers: Mapping[str, str]) -> bool:
+    def verify(self, obj: StoredObject, headers: Mapping[str, str]) -> bool:
         return self._check_etag(obj, headers.get("etag"))
 
-    def _check_etag(self, info: ObjectInfo, etag: str | None) -> bool:
+    def _check_etag(self, info: StoredObject, etag: str | None) -> bool:
         """Refuses a response of another object version; True when the version is proved.
 
         Without an ETag on both sides nothing proves it: an error, unless ``require_etag`` is off.
         """
-        got, expected = normal_etag(etag), normal_etag(info.etag)
+        got, expected = normal_etag(etag), normal_etag(info.version)
         if got is not None and expected is not None:
             if got != expected:
                 raise Fatal(CHANGED)
@@ -237,7 +225,7 @@ class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
             )
         return False
 
-    async def get_start(self, uri: S3Uri, length: int) -> tuple[bytes, ObjectInfo]:
+    async def get_start(self, uri: ObjectUri, length: int) -> tuple[bytes, ObjectInfo]:
         """Up to ``length`` bytes from the start of the object, with its size and ETag (one GET)."""
 
         async def once(speed: LowSpeed) -> tuple[bytes, ObjectInfo]:
@@ -288,65 +276,7 @@ class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
 
         return await self.retrying(uri, (0, length), once, nbytes=length, source_errors=True)
 
-    async def get_bytes(
-        self, info: ObjectInfo, begin: int, end: int, *, source_errors: bool = False
-    ) -> bytes:
-        """Bytes ``[begin, end)`` of the object the header read saw."""
-        buffer = bytearray(end - begin)
-        await self.read_into(info, begin, end, memoryview(buffer), source_errors=source_errors)
-        return bytes(buffer)
-
-    async def read_into(
-        self, info: ObjectInfo, begin: int, end: int, view: memoryview, *, source_errors: bool = False
-    ) -> None:
-        """Writes bytes ``[begin, end)`` of the object into ``view``; a retry asks only for the bytes
-        no verified response delivered."""
-        uri = info.uri
-        done = 0
-        total = end - begin
-
-        async def once(speed: LowSpeed) -> None:
-            nonlocal done
-            start = begin + done
-            condition = if_match(info.etag)
-            options: dict[str, Any] = {"IfMatch": condition} if condition else {}
-            self.requests += 1
-            response = await self._client.get_object(
-                Bucket=uri.bucket, Key=uri.key, Range=f"bytes={start}-{end - 1}", **options
-            )
-            body = response["Body"]
-            received = 0
-            trusted = False
-            try:
-                check_encoding(response)
-                span = content_range(response.get("ContentRange"))
-                if span is not None and span[2] != info.size:
-                    raise Fatal(CHANGED)
-                if span is None and not (start == 0 and end == info.size):
-                    raise Retry("the server ignored the byte range, or sent no valid Content-Range")
-                if span is not None and span[:2] != (start, end - 1):
-                    raise Retry(f"the server sent bytes {span[0]}-{span[1]}, not {start}-{end - 1}")
-                length_given = response.get("ContentLength")  # none for a chunked body
-                if length_given is not None and length_given != total - done:
-                    raise Retry(f"a Content-Length of {length_given}, not {total - done}")
-                trusted = self._check_etag(info, response.get("ETag"))
-                while done + received < total:
-                    chunk = await body.read(total - done - received)
-                    if not chunk:
-                        raise Retry(f"short body: the response ended {total - done - received} bytes early")
-                    n = len(chunk)
-                    view[done + received : done + received + n] = chunk
-                    received += n
-                    speed.moved += n
-                    self.bytes_fetched += n
-            finally:
-                body.close()
-                if trusted or done + received == total:
-                    done += received
-
-        await self.retrying(uri, (begin, end), once, nbytes=total, source_errors=source_errors)
-
-    async def sign(self, obj: ObjectInfo) -> Target:
+    async def sign(self, obj: StoredObject) -> tuple[Target, dict[str, str]]:
         """The object's presigned GET URL, re-signed when half of its validity has passed."""
         uri = obj.uri
         now = time.monotonic()
@@ -357,9 +287,9 @@ class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
             )
             cached = (Target.parse(url), now)
             self._targets[uri] = cached
-        return cached[0]
+        return cached[0], {}
 
-    async def get_object(self, uri: S3Uri, limit: int) -> bytes:
+    async def get_object(self, uri: ObjectUri, limit: int) -> bytes:
         """A whole small object, e.g. an index file; ``S3SourceError`` when it is over ``limit`` bytes."""
         data, info = await self.get_start(uri, min(limit, 1 << 20))
         if info.size > limit:
@@ -409,25 +339,3 @@ class S3Client(ObjectStoreClient[S3Uri, ObjectInfo]):
             bucket=bucket,
             key=prefix,
         )
-
-
-class ClientHolder:
-    """The S3 client of one storage session: made on first use, reused by every run of the handle,
-    closed with it (and made again if a closed handle is read once more)."""
-
-    def __init__(self, config: S3Config) -> None:
-        self.config = config
-        self._client: S3Client | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> S3Client:
-        with self._lock:
-            if self._client is None or self._client.loop.is_closed():
-                self._client = S3Client(self.config)
-            return self._client
-
-    def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()

@@ -3,42 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from streamer.errors import SourceError
-
-SCHEME = "s3://"
+from streamer.backends.http.objects import ObjectUri, StoredObject
 
 
 @dataclass(frozen=True)
-class S3Uri:
-    bucket: str
-    key: str
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.bucket}/{self.key}"
+class S3Uri(ObjectUri):
+    scheme: ClassVar[str] = "s3"
+    label: ClassVar[str] = "S3"
 
 
 def parse_uri(text: str) -> S3Uri:
     """``s3://bucket/key`` (the key may be empty or end with ``/`` for a prefix)."""
-    if not text.startswith(SCHEME):
-        raise SourceError("not an S3 URI (expected s3://bucket/key)", path=text)
-    bucket, _, key = text[len(SCHEME) :].partition("/")
-    if not bucket or any(c in bucket for c in " \\?#") or bucket in (".", ".."):
-        raise SourceError("bad S3 URI: no valid bucket name (expected s3://bucket/key)", path=text)
-    if "\0" in key:
-        raise SourceError("bad S3 URI: the key contains a NUL byte", path=text)
-    return S3Uri(bucket, key)
+    uri = S3Uri.parse(text)
+    assert isinstance(uri, S3Uri)
+    return uri
 
 
 @dataclass(frozen=True)
-class ObjectInfo:
-    """An object as its header read saw it; later reads must see the same size and ETag."""
-
-    uri: S3Uri
-    size: int
-    etag: str | None
+class ObjectInfo(StoredObject):
+    """An S3 object as its header read saw it: its version is its ETag."""
 
     @property
-    def path(self) -> str:
-        """The object's URI: what ``FileHeader.path`` and errors call it."""
-        return str(self.uri)
+    def etag(self) -> str | None:
+        return self.version

@@ -1,0 +1,1 @@
+"""Google Cloud Storage: ``gs://`` sources on the shared object-store client."""

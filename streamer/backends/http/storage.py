@@ -1,0 +1,236 @@
+"""An HTTP object store as a storage: ``<scheme>://bucket/key.safetensors``, a prefix
+``<scheme>://bucket/prefix/`` and ``<scheme>://bucket/.../*.index.json``, by the same rules as a
+local directory (``backends/sources.py``).
+
+Opening lists the prefix or reads the index, then fetches the front of every file, all files at
+once, each with one speculative ranged GET of the first ``header_bytes`` (which also gives the
+object's size and version); ``read_ranges`` fetches the rest of a header longer than that. The one
+client is made on first use and serves every run of the handle (``feeder.py``) until ``close()``.
+A store (S3, GCS) subclasses ``ObjectStorage`` with its client; nothing here knows which it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Generic, TypeVar
+
+from streamer.backends.base import (
+    Delivery,
+    Extent,
+    Feed,
+    FileIdentity,
+    Front,
+    Named,
+    Opened,
+    Range,
+    Storage,
+    StoredFile,
+)
+from streamer.backends.http.client import ObjectStoreClient
+from streamer.backends.http.feeder import ObjectFeeder
+from streamer.backends.http.objects import ObjectUri, StoredObject
+from streamer.backends.sources import (
+    INDEX_SUFFIX,
+    MAX_INDEX_BYTES,
+    SAFETENSORS_INDEX_SUFFIX,
+    ResolvedSource,
+    SourceLike,
+    choose_index,
+    parse_index,
+    source_texts,
+)
+from streamer.engine import native
+from streamer.errors import ObjectMissingError, ObjectSourceError, SourceError, StreamerError, listed
+
+_SUFFIX = ".safetensors"
+_HEADER_REQUESTS = 32  # header GETs in flight at once
+
+ClientT = TypeVar("ClientT", bound=ObjectStoreClient)
+
+
+class ClientHolder(Generic[ClientT]):
+    """A storage session's client: made on first use, reused by every run of the handle, closed
+    with it (and made again if a closed handle is read once more)."""
+
+    def __init__(self, make: Callable[[], ClientT]) -> None:
+        self._make = make
+        self._client: ClientT | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> ClientT:
+        with self._lock:
+            if self._client is None or self._client.loop.is_closed():
+                self._client = self._make()
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+class ObjectStorage(Storage, Generic[ClientT]):
+    """An object store's endpoint; one client, shared by the handle's runs."""
+
+    delivery = Delivery.ONE_RECEIVER  # the client's event loop thread receives every byte
+
+    def __init__(self, make_client: Callable[[], ClientT]) -> None:
+        self._holder = ClientHolder(make_client)
+
+    def open(self, source: SourceLike) -> Opened:
+        client = self._holder.get()
+        uris = [client.uri_type.parse(text) for text in source_texts(source)]
+        return client.call(_open(client, uris, single=len(uris) == 1))
+
+    def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
+        if not ranges:
+            return []
+        client = self._holder.get()
+        return client.call(
+            _read_ranges(client, [(stored_object(file), begin, end) for file, begin, end in ranges])
+        )
+
+    def identify(self, files: Sequence[StoredFile], *, full: bool) -> list[FileIdentity]:
+        """Each object's version, as its header read saw it: every later GET is pinned to it, so it
+        names the bytes read, whole."""
+        return [FileIdentity(content=stored_object(file).version or "") for file in files]
+
+    def feed(
+        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
+    ) -> Feed:
+        return ObjectFeeder(self._holder.get(), engine, [stored_object(file) for file in files])
+
+    def client(self) -> ClientT:
+        """The session's client (made on first use), for a storage that wraps this one (the cache)."""
+        return self._holder.get()
+
+    def close(self) -> None:
+        self._holder.close()
+
+
+def stored_object(file: StoredFile) -> StoredObject:
+    """A file of an object store's open: the object its header read saw."""
+    if not isinstance(file, StoredObject):
+        raise StreamerError("not an object of a store", path=file.path)  # a bug: files come from this storage
+    return file
+
+
+async def _read_ranges(client: ObjectStoreClient, ranges: list[tuple[StoredObject, int, int]]) -> list[bytes]:
+    gate = asyncio.Semaphore(_HEADER_REQUESTS)
+
+    async def read(obj: StoredObject, begin: int, end: int) -> bytes:
+        async with gate:
+            return await client.get_bytes(obj, begin, end, source_errors=True)
+
+    return list(await asyncio.gather(*(read(*r) for r in ranges)))
+
+
+async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: bool) -> Opened:
+    index_path: str | None = None
+    weight_map: dict[str, str] = {}
+    if single and (uris[0].key == "" or uris[0].key.endswith("/")):
+        files, index = await _list_prefix(client, uris[0])
+        if index is not None:
+            return await _open(client, [index], single=True)
+    elif single and uris[0].key.endswith(INDEX_SUFFIX):
+        index = uris[0]
+        index_path = str(index)
+        names = parse_index(await client.get_object(index, MAX_INDEX_BYTES), path=index_path)
+        directory = index.key.rpartition("/")[0]
+        prefix = f"{directory}/" if directory else ""
+        shards = sorted(set(names.values()))
+        files = [type(index)(index.bucket, prefix + shard) for shard in shards]
+        weight_map = {name: str(type(index)(index.bucket, prefix + shard)) for name, shard in names.items()}
+    else:
+        if len({str(u) for u in uris}) != len(uris):
+            raise SourceError("the list of checkpoint files names a file twice")
+        for uri in uris:
+            if uri.key == "" or uri.key.endswith("/"):
+                raise SourceError("a list of checkpoint files must name objects, not prefixes", path=str(uri))
+        files = uris
+    gate = asyncio.Semaphore(_HEADER_REQUESTS)
+
+    async def front(uri: ObjectUri) -> Front:
+        async with gate:
+            data, obj = await client.get_start(uri, client.header_bytes)
+            return Front(obj, data)
+
+    if index_path is not None:
+        return Opened(
+            ResolvedSource(paths=tuple(str(u) for u in files), weight_map=weight_map, index_path=index_path),
+            await _indexed_fronts(files, front, index_path),
+        )
+    try:
+        fronts = await asyncio.gather(*(front(u) for u in files))
+    except ObjectSourceError as error:
+        if single and error.status == 404 and not client.bucket_missing(error):
+            # <scheme>://bucket/dir without the slash: a prefix, if it holds safetensors files.
+            found = await _maybe_prefix(client, files[0])
+            if found:
+                return await _open(client, [type(files[0])(files[0].bucket, files[0].key + "/")], single=True)
+        raise
+    resolved = ResolvedSource(
+        paths=tuple(f.file.path for f in fronts), weight_map=weight_map, index_path=index_path
+    )
+    return Opened(resolved, tuple(fronts))
+
+
+async def _indexed_fronts(
+    files: list[ObjectUri], front: Callable[[ObjectUri], Coroutine[Any, Any, Front]], index_path: str
+) -> tuple[Front, ...]:
+    """The fronts of an index's shards; shards the bucket lacks (an interrupted upload) are one
+    error naming the index and every missing shard, and a forbidden one names the index too."""
+    results = await asyncio.gather(*(front(u) for u in files), return_exceptions=True)
+    missing = [result for result in results if isinstance(result, ObjectMissingError)]
+    if missing:
+        keys = listed([error.key for error in missing], quoted=False)
+        raise _restated(
+            missing[0], f"the index {index_path} references {len(missing)} missing shard(s): {keys}"
+        )
+    for result in results:
+        if isinstance(result, ObjectSourceError):
+            raise _restated(
+                result, f"the index {index_path} references a forbidden shard {result.key!r}: {result.reason}"
+            )
+        if isinstance(result, BaseException):
+            raise result
+    return tuple(result for result in results if isinstance(result, Front))
+
+
+def _restated(error: ObjectSourceError, message: str) -> ObjectSourceError:
+    """``error`` (its type, object, status and tries) with ``message``."""
+    return type(error)(
+        message,
+        bucket=error.bucket,
+        key=error.key,
+        status=error.status,
+        code=error.code,
+        attempts=error.attempts,
+        scheme=error.scheme,
+    )
+
+
+async def _list_prefix(
+    client: ObjectStoreClient, prefix: ObjectUri
+) -> tuple[list[ObjectUri], ObjectUri | None]:
+    """The ``*.safetensors`` objects directly under ``prefix``, and its index if it holds one (the
+    source of truth, as for a local directory: only its shards are read)."""
+    keys = await client.list_keys(prefix.bucket, prefix.key)
+    indexes = [k[len(prefix.key) :] for k in keys if k.endswith(SAFETENSORS_INDEX_SUFFIX)]
+    index = choose_index(indexes, where=str(prefix))
+    if index is not None:
+        return [], type(prefix)(prefix.bucket, prefix.key + index)
+    files = [type(prefix)(prefix.bucket, k) for k in keys if k.endswith(_SUFFIX)]
+    if not files:
+        raise client.source_error("no *.safetensors object directly under this prefix", prefix)
+    return files, None
+
+
+async def _maybe_prefix(client: ObjectStoreClient, uri: ObjectUri) -> bool:
+    if uri.key.endswith(_SUFFIX) or uri.key.endswith(INDEX_SUFFIX):
+        return False
+    keys = await client.list_keys(uri.bucket, uri.key + "/")
+    return any(k.endswith(_SUFFIX) for k in keys)

