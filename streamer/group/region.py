@@ -15,15 +15,14 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 
 from streamer.backends.base import Delivery
-from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
+from streamer.config import StreamerConfig
 from streamer.destinations.buffers import empty_tensor
 from streamer.engine import native
 from streamer.errors import StreamerError
 from streamer.group.shared import SharedRegion
 from streamer.observe.metrics import LoadMetrics
-from streamer.plan.segments import plan_segments
 from streamer.plan.selection import Selection
-from streamer.run.driver import Submit, Tally
+from streamer.run.driver import Submit, Tally, buffer_segments
 
 SEGMENT_BYTES = 128 << 20  # what is reserved at a time: reads start after the first one
 
@@ -47,14 +46,7 @@ class RegionSink(Tally):
         self._files = selection.files  # engine file -> checkpoint file
         self._units = selection.units()
         self._position = selection.positions()
-        self._segments = plan_segments(
-            self._units,
-            block_size=config.block_size,
-            segment_bytes=SEGMENT_BYTES,
-            alignment=DIRECT_IO_ALIGNMENT,
-            request_bytes=request_bytes,
-            file_grid=delivery.file_grid,
-        )
+        self._segments = buffer_segments(self._units, config, SEGMENT_BYTES, request_bytes, delivery)
         self._reserver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-reserve")
         self._reserved: list[Future[None]] = [
             self._reserver.submit(region.reserve, self._files[s.file], s.buffer_begin, s.buffer_end)

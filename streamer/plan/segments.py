@@ -10,10 +10,13 @@ once when a memory limit applies.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from streamer.engine.blocks import Block, Unit
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -85,19 +88,26 @@ def plan_segments(
     only where they are. ``file_grid``: the grid lines are the multiples of ``block_size`` in
     file offsets (a storage caching on that grid), not counted from each segment's start.
     """
-    segments: list[Segment] = []
+
+    def joins(first: Unit, previous: Unit, unit: Unit) -> bool:
+        return unit.file == first.file and (segment_bytes is None or unit.end - first.begin <= segment_bytes)
+
+    return [
+        _plan_segment(units, start, stop, block_size, alignment, request_bytes, file_grid)
+        for start, stop in stretches(units, joins)
+    ]
+
+
+def stretches(items: Sequence[T], joins: Callable[[T, T, T], bool]) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` of each longest stretch of ``items`` whose every next item ``joins`` it
+    (asked with the stretch's first item, the item before and the item itself)."""
     start = 0
-    while start < len(units):
+    while start < len(items):
         stop = start + 1
-        while (
-            stop < len(units)
-            and units[stop].file == units[start].file
-            and (segment_bytes is None or units[stop].end - units[start].begin <= segment_bytes)
-        ):
+        while stop < len(items) and joins(items[start], items[stop - 1], items[stop]):
             stop += 1
-        segments.append(_plan_segment(units, start, stop, block_size, alignment, request_bytes, file_grid))
+        yield start, stop
         start = stop
-    return segments
 
 
 def _plan_segment(

@@ -26,9 +26,9 @@ from streamer.destinations.budget import over_limit_message, streaming_budget, w
 from streamer.destinations.buffers import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
 from streamer.observe.metrics import LoadMetrics
-from streamer.plan.segments import Segment, plan_segments
+from streamer.plan.segments import Segment
 from streamer.plan.selection import Selection
-from streamer.run.driver import Submit, Tally
+from streamer.run.driver import Submit, Tally, buffer_segments
 
 _SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
 
@@ -54,14 +54,7 @@ class CpuSink(Tally):
         self._explicit_limit = config.explicit_memory_limit is not None
         # Segments of small tensors span at most a quarter of the limit: four buffers fit it.
         segment_bytes = None if budget.limit is None else max(DIRECT_IO_ALIGNMENT, budget.limit // 4 - _SLACK)
-        self._segments = plan_segments(
-            self._units,
-            block_size=config.block_size,
-            segment_bytes=segment_bytes,
-            alignment=DIRECT_IO_ALIGNMENT,
-            request_bytes=request_bytes,
-            file_grid=delivery.file_grid,
-        )
+        self._segments = buffer_segments(self._units, config, segment_bytes, request_bytes, delivery)
         self._segment_of_unit = [0] * len(self._units)
         for index, segment in enumerate(self._segments):
             for unit in range(segment.first_unit, segment.last_unit + 1):

@@ -20,12 +20,13 @@ from typing import Protocol
 
 import torch
 
-from streamer.backends.base import Storage
-from streamer.config import StreamerConfig
+from streamer.backends.base import Delivery, Storage
+from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.engine import native
 from streamer.engine.reader import Reader, open_reader
 from streamer.observe.metrics import LoadMetrics
 from streamer.plan.checkpoint import Checkpoint, TensorRef
+from streamer.plan.segments import Segment, plan_segments
 from streamer.plan.selection import Selection, run_then_close
 
 _WAIT_MS = 100  # short enough for Ctrl-C to be noticed promptly
@@ -104,6 +105,26 @@ class Tally:
     def completed(self) -> list[int]:
         completed, self._whole = self._whole, []
         return completed
+
+
+def buffer_segments(
+    units: Sequence[native.Unit],
+    config: StreamerConfig,
+    segment_bytes: int | None,
+    request_bytes: int,
+    delivery: Delivery,
+) -> list[Segment]:
+    """The segments a sink that reads into buffers of its own plans: blocks of ``block_size`` on the
+    O_DIRECT alignment, cut where a request costs more than the gap, on the file's grid where the
+    storage caches on it."""
+    return plan_segments(
+        units,
+        block_size=config.block_size,
+        segment_bytes=segment_bytes,
+        alignment=DIRECT_IO_ALIGNMENT,
+        request_bytes=request_bytes,
+        file_grid=delivery.file_grid,
+    )
 
 
 SinkFor = Callable[[Selection, LoadMetrics], Sink]

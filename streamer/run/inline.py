@@ -26,6 +26,7 @@ from streamer.destinations.budget import streaming_budget
 from streamer.destinations.buffers import empty_tensor
 from streamer.errors import ReadError, SourceError
 from streamer.plan.checkpoint import Checkpoint, TensorRef
+from streamer.plan.segments import stretches
 from streamer.plan.selection import Selection, run_then_close
 
 PARALLEL_MIN_BYTES = 4 << 20  # from here a run is read in two halves at once (two threads)
@@ -147,17 +148,12 @@ def _halves(refs: Sequence[TensorRef], total: int) -> list[Sequence[TensorRef]]:
 
 def _stretches(refs: Sequence[TensorRef]) -> Iterator[Sequence[TensorRef]]:
     """``refs`` (in file and offset order) in runs that lie back to back in one file."""
-    start = 0
-    while start < len(refs):
-        stop = start + 1
-        while (
-            stop < len(refs)
-            and refs[stop].file == refs[start].file
-            and refs[stop].entry.begin == refs[stop - 1].entry.end
-        ):
-            stop += 1
+
+    def joins(first: TensorRef, previous: TensorRef, ref: TensorRef) -> bool:
+        return ref.file == first.file and ref.entry.begin == previous.entry.end
+
+    for start, stop in stretches(refs, joins):
         yield refs[start:stop]
-        start = stop
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -16,18 +16,7 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
-from streamer.backends.base import (
-    Delivery,
-    Extent,
-    Feed,
-    FileIdentity,
-    Front,
-    Named,
-    Opened,
-    Range,
-    Storage,
-    StoredFile,
-)
+from streamer.backends import base
 from streamer.backends.http.client import ObjectStoreClient
 from streamer.backends.http.feeder import ObjectFeeder
 from streamer.backends.http.objects import ObjectUri, StoredObject
@@ -72,20 +61,20 @@ class ClientHolder(Generic[ClientT]):
             client.close()
 
 
-class ObjectStorage(Storage, Generic[ClientT]):
+class ObjectStorage(base.Storage, Generic[ClientT]):
     """An object store's endpoint; one client, shared by the handle's runs."""
 
-    delivery = Delivery.ONE_RECEIVER  # the client's event loop thread receives every byte
+    delivery = base.Delivery.ONE_RECEIVER  # the client's event loop thread receives every byte
 
     def __init__(self, make_client: Callable[[], ClientT]) -> None:
         self._holder = ClientHolder(make_client)
 
-    def open(self, source: SourceLike) -> Opened:
+    def open(self, source: SourceLike) -> base.Opened:
         client = self._holder.get()
         uris = [client.uri_type.parse(text) for text in source_texts(source)]
         return client.call(_open(client, uris, single=len(uris) == 1))
 
-    def read_ranges(self, ranges: Sequence[Range]) -> list[bytes]:
+    def read_ranges(self, ranges: Sequence[base.Range]) -> list[bytes]:
         if not ranges:
             return []
         client = self._holder.get()
@@ -93,14 +82,18 @@ class ObjectStorage(Storage, Generic[ClientT]):
             _read_ranges(client, [(stored_object(file), begin, end) for file, begin, end in ranges])
         )
 
-    def identify(self, files: Sequence[StoredFile], *, full: bool) -> list[FileIdentity]:
+    def identify(self, files: Sequence[base.StoredFile], *, full: bool) -> list[base.FileIdentity]:
         """Each object's version, as its header read saw it: every later GET is pinned to it, so it
         names the bytes read, whole."""
-        return [FileIdentity(content=stored_object(file).version or "") for file in files]
+        return [base.FileIdentity(content=stored_object(file).version or "") for file in files]
 
     def feed(
-        self, engine: native.Engine, files: Sequence[StoredFile], spans: Sequence[Extent], tensors: Named
-    ) -> Feed:
+        self,
+        engine: native.Engine,
+        files: Sequence[base.StoredFile],
+        spans: Sequence[base.Extent],
+        tensors: base.Named,
+    ) -> base.Feed:
         return ObjectFeeder(self._holder.get(), engine, [stored_object(file) for file in files])
 
     def client(self) -> ClientT:
@@ -111,7 +104,7 @@ class ObjectStorage(Storage, Generic[ClientT]):
         self._holder.close()
 
 
-def stored_object(file: StoredFile) -> StoredObject:
+def stored_object(file: base.StoredFile) -> StoredObject:
     """A file of an object store's open: the object its header read saw."""
     if not isinstance(file, StoredObject):
         raise StreamerError("not an object of a store", path=file.path)  # a bug: files come from this storage
@@ -128,7 +121,7 @@ async def _read_ranges(client: ObjectStoreClient, ranges: list[tuple[StoredObjec
     return list(await asyncio.gather(*(read(*r) for r in ranges)))
 
 
-async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: bool) -> Opened:
+async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: bool) -> base.Opened:
     index_path: str | None = None
     weight_map: dict[str, str] = {}
     if single and (uris[0].key == "" or uris[0].key.endswith("/")):
@@ -153,13 +146,13 @@ async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: boo
         files = uris
     gate = asyncio.Semaphore(_HEADER_REQUESTS)
 
-    async def front(uri: ObjectUri) -> Front:
+    async def front(uri: ObjectUri) -> base.Front:
         async with gate:
             data, obj = await client.get_start(uri, client.header_bytes)
-            return Front(obj, data)
+            return base.Front(obj, data)
 
     if index_path is not None:
-        return Opened(
+        return base.Opened(
             ResolvedSource(paths=tuple(str(u) for u in files), weight_map=weight_map, index_path=index_path),
             await _indexed_fronts(files, front, index_path),
         )
@@ -175,12 +168,12 @@ async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: boo
     resolved = ResolvedSource(
         paths=tuple(f.file.path for f in fronts), weight_map=weight_map, index_path=index_path
     )
-    return Opened(resolved, tuple(fronts))
+    return base.Opened(resolved, tuple(fronts))
 
 
 async def _indexed_fronts(
-    files: list[ObjectUri], front: Callable[[ObjectUri], Coroutine[Any, Any, Front]], index_path: str
-) -> tuple[Front, ...]:
+    files: list[ObjectUri], front: Callable[[ObjectUri], Coroutine[Any, Any, base.Front]], index_path: str
+) -> tuple[base.Front, ...]:
     """The fronts of an index's shards; shards the bucket lacks (an interrupted upload) are one
     error naming the index and every missing shard, and a forbidden one names the index too."""
     results = await asyncio.gather(*(front(u) for u in files), return_exceptions=True)
@@ -197,7 +190,7 @@ async def _indexed_fronts(
             )
         if isinstance(result, BaseException):
             raise result
-    return tuple(result for result in results if isinstance(result, Front))
+    return tuple(result for result in results if isinstance(result, base.Front))
 
 
 def _restated(error: ObjectSourceError, message: str) -> ObjectSourceError:
