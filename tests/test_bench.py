@@ -506,3 +506,50 @@ def test_read_ceiling_is_the_best_median_not_the_best_run(
     assert len(rounds) == 12
     assert found.gbps == pytest.approx(1.0)  # 1 job: 1, 10, 1 GB/s -> median 1; never the lucky 10
     assert found.detail.startswith("1 job(s), 1 MiB reads, median of 3 (min-max 1.00-10.00)")
+
+
+def _timed_child(seconds: dict[str, Any]) -> Any:
+    """A child that reports ``seconds[loader](round)`` for each run, without loading anything."""
+    rounds: dict[str, int] = {}
+
+    def child(
+        request: dict[str, Any], env: dict[str, str], timeout: float, python: str | None
+    ) -> dict[str, Any]:
+        loader = request["loader"]
+        rounds[loader] = rounds.get(loader, 0) + 1
+        took = seconds[loader](rounds[loader])
+        return {
+            "ok": True, "seconds": took, "process_seconds": took + 1, "bytes": 1 << 30, "tensors": 1,
+            "peak_rss_bytes": 1 << 30, "resident_at_start_bytes": None, "metrics": {}, "notes": [],
+            "minor_faults": 0, "cpu_seconds": took,
+        }  # fmt: skip
+
+    return child
+
+
+@pytest.mark.parametrize(
+    ("peer_seconds", "runs", "why"),
+    [
+        (lambda r: 2.0 + r / 100, 5, "every verdict decided after 5 rounds"),  # clearly behind us
+        (lambda r: 1.0 + (-1) ** r / 10, 8, "8 rounds, the most asked for"),  # never separable
+    ],
+)
+def test_a_cache_state_ends_once_every_verdict_is_decided(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peer_seconds: Any, runs: int, why: str
+) -> None:
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    files, index = [str(f) for f in made.files], str(made.index)
+    configs = [
+        runner.Config(Setting("streamer"), files, index),
+        runner.Config(Setting("safetensors"), files, index),
+    ]
+    monkeypatch.setattr(runner, "_prepare", lambda config, state: (0, None))
+    monkeypatch.setattr(
+        runner, "call_child", _timed_child({"streamer": lambda r: 1.0, "safetensors": peer_seconds})
+    )
+    stopped = runner.run_section(
+        configs, "warm", 8, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None,
+        min_rounds=5, decided=lambda: report.decided("warm", configs),
+    )  # fmt: skip
+    assert [len(c.runs) for c in configs] == [runs, runs]
+    assert stopped.startswith(why)

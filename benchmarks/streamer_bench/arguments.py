@@ -140,8 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat",
         type=positive_int,
         default=DEFAULT_REPEAT,
-        help=f"rounds: runs per setting, interleaved (default {DEFAULT_REPEAT}); verdicts against peers "
-        f"come from per-round ratios and need at least {stats.MIN_ROUNDS} rounds",
+        help=f"the most rounds per cache state: runs per setting, interleaved (default {DEFAULT_REPEAT}); "
+        "a state ends sooner, after --min-rounds, once every verdict against a peer is decided",
+    )
+    p.add_argument(
+        "--min-rounds",
+        type=positive_int,
+        default=stats.MIN_ROUNDS,
+        help=f"rounds a cache state runs before it may end early (default {stats.MIN_ROUNDS}, the fewest "
+        "a paired verdict needs); set it to --repeat for a fixed number of rounds",
     )
     p.add_argument(
         "--settle",
@@ -247,6 +254,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.source is not None and args.shards is not None:
         parser.error("--shards only applies to --synthetic")
     args.shards = args.shards or 2
+    args.min_rounds = min(args.min_rounds, args.repeat)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install matplotlib")
     args.remote = remote

@@ -14,6 +14,7 @@ the others; the local read ceilings do not apply.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -231,7 +232,7 @@ def run_sections(
                     repeat=args.ceiling_repeat,
                     progress=progress,
                 )
-            runner.run_section(
+            stopped = runner.run_section(
                 configs,
                 state,
                 args.repeat,
@@ -241,6 +242,8 @@ def run_sections(
                 progress=progress,
                 clock=args.clock,
                 settle=args.settle,
+                min_rounds=args.min_rounds,
+                decided=functools.partial(report.decided, state, configs),
             )
             if args.ceilings and state == "remote":
                 found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])
@@ -249,7 +252,7 @@ def run_sections(
             if any(c.runs for c in configs):
                 sections.append(report.section(state, configs, found))
             raise
-        sections.append(report.section(state, configs, found))
+        sections.append({**report.section(state, configs, found), "stopped": stopped})
 
 
 def measure(
@@ -322,6 +325,7 @@ def document(
             "baseline": args.baseline,
             "device": args.device,
             "repeat": args.repeat,
+            "min_rounds": args.min_rounds,
             "ceiling_repeat": args.ceiling_repeat,
             "clock": args.clock,
             "settle_seconds": args.settle,

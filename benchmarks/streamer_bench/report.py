@@ -116,6 +116,12 @@ def comparisons(reference: dict[str, Any], best: Sequence[dict[str, Any]]) -> li
     return out
 
 
+def decided(state: str, configs: Sequence[Config]) -> bool:
+    """Whether every paired verdict of ``state`` is decided (ahead or behind): more rounds would
+    only narrow intervals that already exclude 1. True when there is no peer to compare with."""
+    return all(c["verdict"] in ("ahead", "behind") for c in section(state, configs, [])["comparisons"])
+
+
 def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) -> dict[str, Any]:
     """A cache-state section: every setting's result, each loader's best, the paired verdicts
     against each peer at its best, the read ceilings."""
@@ -254,6 +260,8 @@ def render(document: dict[str, Any]) -> str:
                 "CPU seconds paired the same way: above 1, streamer used less)",
                 *(_comparison_line(c) for c in sec["comparisons"]),
             ]
+        if sec.get("stopped"):
+            out.append(f"-- {sec['cache']}: stopped: {sec['stopped']}")
         if sec["ceilings"]:
             what = (
                 "S3 ceiling (plain boto3 ranged GETs through the same endpoint, its best setting)"

@@ -38,6 +38,7 @@ def _package_roots() -> list[str]:
             roots.append(installed)
     return roots
 
+
 T = TypeVar("T")
 
 
@@ -217,17 +218,24 @@ def run_section(
     progress: Callable[[str], None],
     clock: str = "load",
     settle: float = 0.0,
-) -> None:
-    """``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
+    min_rounds: int | None = None,
+    decided: Callable[[], bool] | None = None,
+) -> str:
+    """Up to ``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
     the given order, each later one shuffled (seeded, so reproducible). A run pays for the memory
     the run before it freed (on VMs that hand free pages back to the host, by up to 4x), so no
     setting may always follow the same neighbour, and each run starts ``settle`` seconds after the
     files reached ``state``: long enough for such a VM to have handed back what the last run freed,
     so every run meets memory as a server starting on an idle node does. ``clock`` (load or
-    process) says which of the child's two times is the run's ``seconds``; both are kept."""
+    process) says which of the child's two times is the run's ``seconds``; both are kept.
+
+    Adaptive: after ``min_rounds`` rounds (and each round after), the state ends as soon as
+    ``decided()`` says every verdict is decided. Returns why the state ended, for the report."""
     total = repeat * len(configs)
     n = 0
     for r in range(repeat):
+        if decided is not None and min_rounds is not None and min_rounds <= r and decided():
+            return f"every verdict decided after {r} rounds (at least {min_rounds}, at most {repeat})"
         for config in round_order(configs, r):
             n += 1
             label = f"{config.setting.loader} {config.setting.label}"
@@ -282,3 +290,7 @@ def run_section(
                 )
             else:
                 progress(f"[{state} {n}/{total}] {label}: FAILED {run.error}")
+    undecided = decided is not None and not decided()
+    return f"{repeat} rounds, the most asked for (--repeat)" + (
+        "; some verdicts undecided" if undecided else ""
+    )
