@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from dataclasses import asdict
 
 import pytest
 
 from streamer_bench import report, stats
+from streamer_bench.ceilings import Ceiling
 from streamer_bench.loaders import Setting
 from streamer_bench.runner import Config, Run
 
@@ -127,3 +129,27 @@ def test_runs_without_cpu_seconds_give_no_cpu_verdict() -> None:
     assert compared["verdict"] == "ahead" and compared["cpu"]["ratio"] is None
     assert "CPU" not in report._comparison_line(compared)
 
+
+def test_every_row_shows_its_share_of_the_read_ceiling_and_the_binding_ceiling_is_named() -> None:
+    """1 GiB in 1 s is 1.07 GB/s: half a 2.15 GB/s read ceiling; first touch at 1.5 GB/s binds."""
+    configs = [_config("streamer", (), [1.0] * 6), _config("runai", (), [2.0] * 6)]
+    read = Ceiling("read_direct", "cold", 2.147, "fio", "8 jobs")
+    section = report.section("cold", configs, [read])
+    memory = [
+        asdict(Ceiling("first_touch", None, 1.5, "mmap", "")),
+        asdict(Ceiling("memcpy", None, 9.0, "numpy", "")),
+    ]
+    document = {
+        "checkpoint": {"files": ["x.safetensors"], "tensor_bytes": 1 << 30, "tensor_count": 1, "source": "x"},
+        "options": {"device": "cpu", "repeat": 6},
+        "machine": {"filesystem": {"type": "ext4"}},
+        "sections": [section],
+        "memory_ceilings": memory,
+        "skipped": [],
+    }
+    lines = report.render(document).splitlines()
+    header = next(line for line in lines if line.startswith("loader"))
+    row = next(line for line in lines if line.startswith("streamer  "))
+    end = header.index("÷ ceiling") + len("÷ ceiling")  # numbers are right-aligned under their title
+    assert row[end - 4 : end] == "0.50"
+    assert any(line.startswith("-- cold: bound by first_touch at 1.50 GB/s") for line in lines)

@@ -151,6 +151,7 @@ _HEADER = (
     "min-max s",
     "GB/s",
     "vs streamer",
+    "÷ ceiling",
     "peak RSS",
     "faults/GiB",
     "CPU s",
@@ -161,22 +162,25 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def _row(r: dict[str, Any]) -> tuple[str, ...]:
+def _row(r: dict[str, Any], ceiling: float | None) -> tuple[str, ...]:
+    """One setting's row; ``ceiling``: the state's read ceiling in GB/s, for the "÷ ceiling" column."""
     if r.get("status", "ok") != "ok":
         first_error = next((run["error"] for run in r.get("runs", []) if run["error"]), "")
-        return (r["loader"], r["setting"], r["status"].upper(), str(first_error)[:60], "", "", "", "", "")
+        return (r["loader"], r["setting"], r["status"].upper(), str(first_error)[:60], "", "", "", "", "", "")
     span = f"{r['min_s']:.3f}-{r['max_s']:.3f}"
     ratio = _fmt(r["ratio_vs_streamer"], ".2f") + ("x" if r["ratio_vs_streamer"] is not None else "")
     rss = format_bytes(r["peak_rss_bytes"]) if r["peak_rss_bytes"] is not None else "—"
     faults = _fmt(r["faults_per_gib"], ",.0f")
     cpu = _fmt(r["cpu_s"], ".2f")
     gbps_text = _fmt(r["gbps"], ".2f")
-    return (r["loader"], r["setting"], f"{r['median_s']:.3f}", span, gbps_text, ratio, rss, faults, cpu)
+    of_ceiling = _fmt(r["gbps"] / ceiling if r["gbps"] and ceiling else None, ".2f")
+    median = f"{r['median_s']:.3f}"
+    return (r["loader"], r["setting"], median, span, gbps_text, ratio, of_ceiling, rss, faults, cpu)
 
 
 def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[i]) for row in (_HEADER, *rows)) for i in range(len(_HEADER))]
-    numeric = {2, 3, 4, 5, 6, 7, 8}
+    numeric = set(range(2, len(_HEADER)))
 
     def line(row: tuple[str, ...]) -> str:
         cells = [
@@ -203,6 +207,27 @@ def _comparison_line(c: dict[str, Any]) -> str:
     if cpu["ratio"] is not None:
         line += f" (CPU seconds {_paired_text(cpu)}: {cpu['verdict'].upper()})"
     return line
+
+
+def _read_ceiling(section: dict[str, Any]) -> float | None:
+    """The state's read ceiling: the best of its storage ceilings (fio, or the S3 ranged GETs)."""
+    rates = [c["gbps"] for c in section["ceilings"] if c["gbps"]]
+    return max(rates) if rates else None
+
+
+_LOAD_MEMORY = ("first_touch", "memcpy")  # fresh 4 KiB pages filled, bytes copied once
+
+
+def _binding_ceiling(section: dict[str, Any], memory: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The lowest ceiling a load in this state goes through: its read ceiling, first touch of fresh
+    memory, memcpy (None before the memory ceilings are measured)."""
+    read = _read_ceiling(section)
+    found: list[tuple[float, str]] = [(read, "storage reads")] if read else []
+    found += [(c["gbps"], c["name"]) for c in memory if c["name"] in _LOAD_MEMORY and c["gbps"]]
+    if not found:
+        return None
+    gbps, name = min(found)
+    return {"name": name, "gbps": gbps}
 
 
 def _ceiling_line(c: dict[str, Any]) -> str:
@@ -244,12 +269,13 @@ def render(document: dict[str, Any]) -> str:
             "every figure below comes from the runs that finished before it"
         )
     for sec in document["sections"]:
-        out += ["", _STATES[sec["cache"]], *_table([_row(r) for r in sec["results"]])]
+        ceiling = _read_ceiling(sec)
+        out += ["", _STATES[sec["cache"]], *_table([_row(r, ceiling) for r in sec["results"]])]
         if sec["best"]:
             out += [
                 "",
                 f"-- {sec['cache']}: each loader at its best setting (lowest median)",
-                *_table([_row(r) for r in sec["best"]]),
+                *_table([_row(r, ceiling) for r in sec["best"]]),
             ]
         if sec.get("comparisons"):
             ref = sec["reference"]["setting"]
@@ -260,6 +286,12 @@ def render(document: dict[str, Any]) -> str:
                 "CPU seconds paired the same way: above 1, streamer used less)",
                 *(_comparison_line(c) for c in sec["comparisons"]),
             ]
+        bound = _binding_ceiling(sec, document["memory_ceilings"])
+        if bound is not None:
+            out.append(
+                f"-- {sec['cache']}: bound by {bound['name']} at {bound['gbps']:.2f} GB/s, the lowest "
+                "ceiling a load here passes through (÷ ceiling: GB/s over the read ceiling)"
+            )
         if sec.get("stopped"):
             out.append(f"-- {sec['cache']}: stopped: {sec['stopped']}")
         if sec["ceilings"]:
