@@ -181,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default: default,sync_buffered; S3 sources: default only (a file-system knob)",
     )
     p.add_argument(
+        "--no-into-touched",
+        dest="into_touched",
+        action="store_false",
+        help="skip streamer's 'into=touched' row: load_into of destination tensors allocated and touched "
+        "before the clock (what a reloaded model sees), the I/O path measured against the read ceiling",
+    )
+    p.add_argument(
         "--safetensors-backends",
         type=_choices(SAFETENSORS_BACKENDS, "backend"),
         default=list(SAFETENSORS_BACKENDS),

@@ -194,7 +194,8 @@ def plan(
             except RuntimeError as exc:
                 skipped.append({"loader": name, "reason": str(exc)[:500], "install": None})
                 continue
-        for setting in settings_for(name, concurrency, args.runai_strategies, backends):
+        into = args.into_touched and not checkpoint.remote
+        for setting in settings_for(name, concurrency, args.runai_strategies, backends, into_touched=into):
             runs.append((setting, files))
     if args.baseline is not None:
         runs.append((Setting(BASELINE, python=args.baseline), list(checkpoint.shards)))

@@ -147,13 +147,23 @@ class Setting:
         return env
 
 
+INTO_SETTING = Setting("streamer", (("into", "touched"),))
+
+
 def settings_for(
     loader: str,
     concurrency: list[int],
     runai_strategies: list[str],
     safetensors_backends: list[str],
+    *,
+    into_touched: bool = False,
 ) -> list[Setting]:
-    """Every setting of ``loader`` to run: its defaults, then each swept value (and strategy)."""
+    """Every setting of ``loader`` to run: its defaults, then each swept value (and strategy).
+
+    ``into_touched``: streamer also times ``load_into`` of destination tensors allocated and
+    touched before the clock (what a reloaded model or a GPU ring sees): the I/O path alone."""
+    if loader == "streamer" and into_touched:
+        return [*settings_for(loader, concurrency, runai_strategies, safetensors_backends), INTO_SETTING]
     levels: list[tuple[tuple[str, str | int], ...]] = [()]
     if LOADERS[loader].concurrency_knob is not None:
         levels += [(("concurrency", c),) for c in concurrency]
