@@ -9,7 +9,7 @@ import pytest
 
 from streamer_bench import report, stats
 from streamer_bench.ceilings import Ceiling
-from streamer_bench.loaders import Setting
+from streamer_bench.loaders import INTO_SETTING, Setting, settings_for
 from streamer_bench.runner import Config, Run
 
 
@@ -153,3 +153,25 @@ def test_every_row_shows_its_share_of_the_read_ceiling_and_the_binding_ceiling_i
     end = header.index("÷ ceiling") + len("÷ ceiling")  # numbers are right-aligned under their title
     assert row[end - 4 : end] == "0.50"
     assert any(line.startswith("-- cold: bound by first_touch at 1.50 GB/s") for line in lines)
+
+
+def test_the_into_touched_row_is_shown_but_never_a_loaders_best() -> None:
+    """load_into of touched tensors skips first touch: faster, but not a whole load to compare."""
+    configs = [
+        _config("streamer", (), [1.0] * 6),
+        _config("streamer", (("into", "touched"),), [0.5] * 6),
+        _config("runai", (), [2.0] * 6),
+    ]
+    section = report.section("cold", configs, [])
+    assert [r["setting"] for r in section["results"]] == ["default", "into=touched", "default"]
+    assert [(b["loader"], b["setting"]) for b in section["best"]] == [
+        ("streamer", "default"),
+        ("runai", "default"),
+    ]
+    assert section["reference"] == {"loader": "streamer", "setting": "default"}
+
+
+def test_into_touched_is_a_streamer_setting_on_request_only() -> None:
+    assert INTO_SETTING not in settings_for("streamer", [], ["default"], ["mmap"])
+    assert settings_for("streamer", [], ["default"], ["mmap"], into_touched=True)[-1] == INTO_SETTING
+    assert INTO_SETTING not in settings_for("runai", [], ["default"], ["mmap"], into_touched=True)
