@@ -37,6 +37,15 @@ ADDRESSING_STYLES: tuple[AddressingStyle, ...] = ("auto", "path", "virtual")
 _MASK = "***"
 
 
+def _masked_repr(config: object, secrets: tuple[str, ...]) -> str:
+    """A config's fields, each secret that is set shown as ``***``."""
+    shown = []
+    for name in getattr(config, "__dataclass_fields__", {}):
+        value = getattr(config, name)
+        shown.append(f"{name}={(_MASK if value is not None else None) if name in secrets else value!r}")
+    return f"{type(config).__name__}({', '.join(shown)})"
+
+
 @dataclass(frozen=True)
 class S3Config:
     """How S3 sources are read. Unset credentials use boto3's standard chain (environment, shared
@@ -106,13 +115,7 @@ class S3Config:
             raise ConfigError("give both access_key_id and secret_access_key, or neither")
 
     def __repr__(self) -> str:
-        shown = []
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if name in ("access_key_id", "secret_access_key", "session_token"):
-                value = None if value is None else _MASK
-            shown.append(f"{name}={value!r}")
-        return f"S3Config({', '.join(shown)})"
+        return _masked_repr(self, ("access_key_id", "secret_access_key", "session_token"))
 
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
@@ -175,6 +178,50 @@ class GCSConfig:
     @property
     def endpoint(self) -> str:
         return (self.endpoint_url or self.emulator_host or GCS_ENDPOINT).rstrip("/")
+
+
+@dataclass(frozen=True)
+class AzureConfig:
+    """How Azure Blob sources (``az://container/key``, ``https://<account>.blob.core.windows.net/...``)
+    are read. Credentials, first found: ``sas_token``; ``account_key`` (a read-only SAS is signed
+    with it); ``connection_string`` (its key, its SAS, its endpoint: how Azurite is reached);
+    ``anonymous`` (public containers); else azure-identity's ``DefaultAzureCredential`` (workload
+    identity, managed identity, environment, Azure CLI). Secrets are never shown by ``repr``.
+
+    account: the storage account (``AZURE_STORAGE_ACCOUNT``; a portal URL names its own).
+    endpoint_url: the blob endpoint; default the connection string's, else
+        ``https://<account>.blob.core.windows.net``.
+    The request bounds mean what ``GCSConfig``'s do.
+    """
+
+    concurrency: int = setting(count(1, 1024), 64, env="STREAMER_AZURE_CONCURRENCY")
+    account: str | None = setting(text(), env="AZURE_STORAGE_ACCOUNT")
+    account_key: str | None = setting(text(), env="AZURE_STORAGE_KEY", repr=False)
+    sas_token: str | None = setting(text(), env="AZURE_STORAGE_SAS_TOKEN", repr=False)
+    connection_string: str | None = setting(text(), env="AZURE_STORAGE_CONNECTION_STRING", repr=False)
+    endpoint_url: str | None = setting(text())
+    anonymous: bool = setting(flag(), False, env="STREAMER_AZURE_ANONYMOUS")
+    ca_bundle: str | None = setting(text())
+    verify: bool = setting(flag(), True)
+    max_attempts: int = setting(count(1), 8, env="STREAMER_AZURE_MAX_ATTEMPTS")
+    retry_deadline: float = setting(seconds(), 120.0)
+    connect_timeout: float = setting(seconds(), 10.0)
+    read_timeout: float = setting(seconds(), 30.0, env="STREAMER_AZURE_READ_TIMEOUT")
+    backoff_base: float = setting(seconds(), 0.1)
+    backoff_max: float = setting(seconds(), 5.0)
+    header_bytes: int = setting(size(16), 256 << 10)
+    min_rate: int = setting(size(), 64 << 10, env="STREAMER_AZURE_MIN_RATE")
+    attempt_allowance: float = setting(seconds(), 20.0)
+    low_speed_window: float = setting(seconds(), 10.0)
+    low_speed_tries: int = setting(count(1), 3)
+    load_deadline: float | None = setting(seconds(optional=True), env="STREAMER_AZURE_LOAD_DEADLINE")
+    max_list_pages: int = setting(count(1), 10_000)
+
+    def __post_init__(self) -> None:
+        parse_fields(self, section="azure.")
+
+    def __repr__(self) -> str:
+        return _masked_repr(self, ("account_key", "sas_token", "connection_string"))
 
 
 def _group(value: object) -> int | None:
@@ -299,7 +346,8 @@ class StreamerConfig:
         ``None``, or the variable set to ``none``, sends pieces through the group's collectives).
         Ranks that cannot all map the same files (other hosts, other containers, a full tmpfs)
         fall back to the collectives on their own.
-    s3, gcs: how ``s3://`` and ``gs://`` sources are read (``S3Config``, ``GCSConfig``).
+    s3, gcs, azure: how ``s3://``, ``gs://`` and Azure Blob sources are read (``S3Config``,
+        ``GCSConfig``, ``AzureConfig``).
     cache: a local cache in front of object storage (off unless ``cache.dir`` is set).
     """
 
@@ -311,6 +359,7 @@ class StreamerConfig:
     page_fill: bool | None = setting(flag(optional=True), env="STREAMER_PAGE_FILL")
     s3: S3Config = field(default_factory=S3Config)
     gcs: GCSConfig = field(default_factory=GCSConfig)
+    azure: AzureConfig = field(default_factory=AzureConfig)
     inline_max_bytes: int = setting(size(0), 8 << 20, env="STREAMER_INLINE_MAX_BYTES")
     group_timeout: float = setting(seconds(), 30.0, env="STREAMER_GROUP_TIMEOUT")
     group_verify: GroupVerify = setting(choice(GROUP_VERIFY), "sampled", env="STREAMER_GROUP_VERIFY")

@@ -1,0 +1,1 @@
+"""Azure Blob Storage: ``az://`` and portal URLs on the shared object-store client."""

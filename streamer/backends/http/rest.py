@@ -1,0 +1,201 @@
+"""The control plane of a store spoken to as plain REST (GCS's JSON API, Azure Blob): header fronts,
+small objects and listing pages through aiohttp on the client's loop, each request bounded and
+retried as the data path's are, and what a failure of either means.
+
+A store subclasses ``RestObjectClient`` and supplies: its object URL (``object_url``), the headers
+and query that authorise a request (``authorization``), the version an answer names
+(``version_from``), what an empty object is (``empty_object``), what a status means
+(``classify_status``) and a listing (``list_keys``). aiohttp is imported when a client is made.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import ssl
+from collections.abc import Mapping
+from typing import Any
+
+from streamer.backends.http.client import Fatal, ObjectStoreClient, Retry, RetrySettings
+from streamer.backends.http.endpoint import ProxyError, Target, UnsupportedProxy
+from streamer.backends.http.objects import ObjectUri, StoredObject
+from streamer.backends.http.response import HttpFailure, ProtocolViolation, SizeChanged, content_range
+from streamer.backends.http.timing import LowSpeed
+from streamer.errors import ObjectMissingError, ObjectSourceError, ObjectStoreError
+
+ERROR_BODY_LIMIT = 64 << 10
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+
+
+class RestObjectClient(ObjectStoreClient):
+    """A REST object store's client: one loop thread, one aiohttp session, the shared data path."""
+
+    changed = "the object changed during the load (its version or size is not the header's)"
+
+    def __init__(self, settings: RetrySettings, store: str, concurrency: int, header_bytes: int) -> None:
+        super().__init__(settings, store, concurrency)
+        self.header_bytes = header_bytes
+        self._session: Any = None
+
+    async def open_session(self, *, https: bool) -> None:
+        """Makes the aiohttp session (on the loop): proxies from the environment, no decompression."""
+        import aiohttp
+
+        s = self.settings
+        timeout = aiohttp.ClientTimeout(sock_connect=s.connect_timeout, sock_read=s.read_timeout)
+        ssl_option: ssl.SSLContext | bool = self._ssl_context if https else False
+        connector = aiohttp.TCPConnector(limit=max(self.concurrency, 1), ssl=ssl_option)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=timeout, trust_env=True, auto_decompress=False
+        )
+
+    async def release(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+        await asyncio.get_running_loop().shutdown_default_executor()  # token refreshes' thread
+
+    # --- what a REST store supplies ----------------------------------------------------------
+
+    @abc.abstractmethod
+    def object_url(self, uri: ObjectUri, version: str | None) -> str:
+        """The URL a GET of the object's bytes goes to (pinned to ``version`` where the URL can say it)."""
+
+    @abc.abstractmethod
+    async def authorization(self) -> tuple[dict[str, str], str]:
+        """The headers and the query (``""`` or ``"a=b&..."``) that authorise a request now."""
+
+    @abc.abstractmethod
+    def version_from(self, headers: Mapping[str, str]) -> str | None:
+        """The object version an answer's headers name (None: it names none)."""
+
+    @abc.abstractmethod
+    async def empty_object(self, uri: ObjectUri, speed: LowSpeed) -> StoredObject:
+        """An empty object (a ranged GET of it is a 416), with its version."""
+
+    @abc.abstractmethod
+    def classify_status(self, status: int, code: str | None) -> Retry | Fatal:
+        """What an error status (and the store's error code) means."""
+
+    @abc.abstractmethod
+    def stored(self, uri: ObjectUri, size: int, version: str | None) -> StoredObject:
+        """The store's object as a header read saw it."""
+
+    # --- the shared client's hooks -----------------------------------------------------------
+
+    async def sign(self, obj: StoredObject) -> tuple[Target, dict[str, str]]:
+        headers, query = await self.authorization()
+        url = self.object_url(obj.uri, obj.version)
+        return Target.parse(_with_query(url, query)), headers
+
+    def classify(self, exc: Exception) -> Retry | Fatal:
+        import aiohttp
+
+        if isinstance(exc, (Retry, Fatal)):
+            return exc
+        if isinstance(exc, HttpFailure):
+            if exc.status in _REDIRECTS:
+                return Fatal("redirected: the endpoint should be named itself", exc.status, exc.code)
+            return self.classify_status(exc.status, exc.code)
+        if isinstance(exc, ProtocolViolation):
+            return Fatal(str(exc)) if exc.fatal else Retry(str(exc))
+        if isinstance(exc, SizeChanged):
+            return Fatal(f"{self.changed}: {exc}")
+        if isinstance(exc, ProxyError):
+            return Retry(str(exc), exc.status) if exc.status >= 500 else Fatal(str(exc), exc.status)
+        if isinstance(exc, UnsupportedProxy):
+            return Fatal(str(exc))
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            return Fatal(f"TLS failure: {type(exc).__name__}")
+        if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+            return Retry(f"connection failure: {type(exc).__name__}")
+        return Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
+
+    def error_type(self, failure: Retry | Fatal, *, source_errors: bool) -> type[ObjectStoreError]:
+        gone = source_errors and failure.status in (401, 403, 404, *_REDIRECTS)
+        if gone and failure.status == 404:
+            return ObjectMissingError
+        return ObjectSourceError if gone else ObjectStoreError
+
+    def source_error(self, message: str, uri: ObjectUri) -> ObjectSourceError:
+        return ObjectSourceError(message, bucket=uri.bucket, key=uri.key, scheme=uri.scheme)
+
+    # --- the control plane -------------------------------------------------------------------
+
+    async def get(
+        self, url: str, headers: Mapping[str, str], limit: int, speed: LowSpeed
+    ) -> tuple[int, dict[str, str], bytes]:
+        """One authorised GET: status, headers (lower-case names) and at most ``limit + 1`` body
+        bytes; an error status is an ``HttpFailure`` carrying the store's error code."""
+        self.requests += 1
+        auth, query = await self.authorization()
+        request = {**headers, **auth, "Accept-Encoding": "identity"}
+        async with self._session.get(
+            _with_query(url, query), headers=request, allow_redirects=False
+        ) as answer:
+            got = {name.lower(): value for name, value in answer.headers.items()}
+            if answer.status >= 300:
+                body = await answer.content.read(ERROR_BODY_LIMIT)
+                raise HttpFailure(answer.status, self.error_code(got, body), got)
+            encoding = got.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise Fatal(f"the server encoded the body (Content-Encoding: {encoding[:40]})")
+            data = bytearray()
+            while len(data) <= limit:
+                chunk = await answer.content.read(min(1 << 20, limit + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+                speed.moved += len(chunk)
+            self.bytes_fetched += len(data)
+            return answer.status, got, bytes(data)
+
+    def error_code(self, headers: Mapping[str, str], body: bytes) -> str | None:
+        """The store's code for an error answer (none by default)."""
+        return None
+
+    async def get_start(self, uri: ObjectUri, length: int) -> tuple[bytes, StoredObject]:
+        """Up to ``length`` bytes from the start of the object, with its size and version (one GET)."""
+        url = self.object_url(uri, None)
+
+        async def once(speed: LowSpeed) -> tuple[bytes, StoredObject]:
+            try:
+                status, headers, data = await self.get(url, {"Range": f"bytes=0-{length - 1}"}, length, speed)
+            except HttpFailure as failure:
+                if failure.status != 416:
+                    raise
+                return b"", await self.empty_object(uri, speed)  # an empty object has no byte 0
+            span = content_range(headers.get("content-range"))
+            if status == 206 and span is not None:
+                size = span[2]
+                if span[:2] != (0, min(length, size) - 1):
+                    raise Retry(f"the server sent bytes {span[0]}-{span[1]}, not 0-{min(length, size) - 1}")
+            elif status == 200:
+                size = len(data)  # the whole object: a server may answer a range covering it so
+                if size > length:
+                    raise Retry("the server ignored the byte range")
+            else:
+                raise Retry(f"an HTTP {status} without a valid Content-Range")
+            if len(data) != min(length, size):
+                raise Retry(f"short body: {len(data)} of {min(length, size)} bytes")
+            obj = self.stored(uri, size, self.version_from(headers))
+            self.verify(obj, headers)
+            return data, obj
+
+        return await self.retrying(uri, (0, length), once, nbytes=length, source_errors=True)
+
+    async def get_object(self, uri: ObjectUri, limit: int) -> bytes:
+        """A whole small object, e.g. an index file; ``ObjectSourceError`` when it is over ``limit``."""
+        data, obj = await self.get_start(uri, min(limit, 1 << 20))
+        if obj.size > limit:
+            raise self.source_error(f"the object is {obj.size} bytes, more than the limit of {limit}", uri)
+        if obj.size > len(data):
+            data += await self.get_bytes(obj, len(data), obj.size, source_errors=True)
+        return data
+
+
+def _with_query(url: str, query: str) -> str:
+    if not query:
+        return url
+    return f"{url}{'&' if '?' in url else '?'}{query}"
