@@ -24,6 +24,14 @@ python -m pip install -q -c constraints/ci.txt '.[test]' ./benchmarks 2>&1 | gre
 python -m pip install -q --no-deps ./integrations/vllm 2>&1 | grep -v '^WARNING: Location' || true
 (cd / && python -c "import streamer.engine.native as n; n._lib()") || { echo "[setup] streamer failed to install" >&2; exit 1; }
 
+# Azurite, the Azure Blob emulator the Azure tests run against (they skip where it is missing).
+azurite_dir="${STREAMER_AZURITE:-$HOME/.cache/streamer-ci/azurite}"
+if command -v npm >/dev/null 2>&1 && [ ! -x "$azurite_dir/node_modules/.bin/azurite-blob" ]; then
+  mkdir -p "$azurite_dir"
+  (cd "$azurite_dir" && npm install --no-audit --no-fund --silent azurite@3.35.0 >/dev/null 2>&1) \
+    || echo "[setup] Azurite not installed; the Azure tests will skip"
+fi
+
 # fio gives the storage ceiling the benchmark reports beside our figures (optional).
 if ! command -v fio >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
   (apt-get install -y -qq fio >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq fio >/dev/null 2>&1; }) \

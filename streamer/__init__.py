@@ -2,7 +2,7 @@
 
 from streamer._version import __version__
 from streamer.api import IncompatibleKeys, Streamer, load, load_file, load_into, open
-from streamer.config import CacheConfig, GCSConfig, S3Config, StreamerConfig
+from streamer.config import AzureConfig, CacheConfig, GCSConfig, S3Config, StreamerConfig
 from streamer.dropin import TensorSlice, safe_open
 from streamer.errors import (
     ConfigError,
@@ -27,6 +27,7 @@ from streamer.errors import (
 )
 
 __all__ = [
+    "AzureConfig",
     "CacheConfig",
     "ConfigError",
     "DeviceError",

@@ -67,12 +67,16 @@ def test_s3_dependencies_only_in_the_extra() -> None:
     assert not always & {"aiobotocore", "boto3", "botocore", "aiohttp"}, always
 
 
-def test_gcs_dependencies_only_in_the_extra() -> None:
+@pytest.mark.parametrize(
+    ("extra", "wanted"),
+    [("gcs", {"google-auth", "aiohttp"}), ("azure", {"azure-identity", "azure-storage-blob", "aiohttp"})],
+)
+def test_cloud_dependencies_only_in_their_extra(extra: str, wanted: set[str]) -> None:
     reqs = requirements(DIST)
     always = {r.name for r in reqs if r.marker is None}
-    gcs = {r.name for r in reqs if r.marker is not None and r.marker.evaluate({"extra": "gcs"})}
-    assert {"google-auth", "aiohttp"} <= gcs
-    assert not always & {"google-auth", "aiohttp", "requests"}, always
+    chosen = {r.name for r in reqs if r.marker is not None and r.marker.evaluate({"extra": extra})}
+    assert wanted <= chosen
+    assert not always & wanted, always
 
 
 def test_plugin_depends_on_this_distribution() -> None:

@@ -32,6 +32,7 @@ BLOCKS = {
     'LLM(model="/models/llama"': "vLLM: the plugin's tests on real vLLM (integrations/vllm/tests)",
     'tensors = streamer.load("s3://bucket/llama/model.safetensors")': "s3",
     'tensors = streamer.load("gs://bucket/llama/")': "gcs",
+    "config = streamer.StreamerConfig(azure=": "azure",
 }
 
 
@@ -151,6 +152,33 @@ def test_the_gcs_block_runs_against_a_local_emulator(
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
         (block,) = [b for b in _blocks() if _kind(b) == "gcs"]
         namespace: dict[str, Any] = {"streamer": __import__("streamer")}
+        exec(compile(block, "README.md", "exec"), namespace)
+    finally:
+        server.close()
+    loaded = namespace["tensors"]
+    assert set(loaded) == set(tensors)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, tensors[name]), name
+
+
+def test_the_azure_block_runs_against_a_local_emulator(llama: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    pytest.importorskip("azure.storage.blob")
+    from azurite_server import Azurite, binary
+
+    program = binary()
+    if program is None:
+        pytest.skip("Azurite is not installed (bash scripts/setup.sh)")
+    directory, tensors = llama
+    server = Azurite(program)
+    try:
+        container: Any = server.container("models")
+        for path in sorted(directory.iterdir()):
+            container.upload_blob(f"llama/{path.name}", path.read_bytes())
+        (block,) = [b for b in _blocks() if _kind(b) == "azure"]
+        namespace: dict[str, Any] = {
+            "streamer": __import__("streamer"),
+            "connection_string": server.connection_string,
+        }
         exec(compile(block, "README.md", "exec"), namespace)
     finally:
         server.close()

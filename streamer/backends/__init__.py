@@ -1,7 +1,8 @@
 """Where checkpoints live: one ``Storage`` per place (``base.py``), chosen by the source's scheme.
 
 A plain path is a local file (``local.py``); ``s3://`` is S3 (``s3/``), ``gs://`` Google Cloud
-Storage (``gcs/``), both on the shared object-store client (``http/``); another storage registers
+Storage (``gcs/``), ``az://`` and portal URLs Azure Blob (``azure/``), all on the shared
+object-store client (``http/``); another storage registers
 its scheme with ``register`` (one module: the storage, its feed, its resolution).
 """
 
@@ -40,7 +41,14 @@ def _gcs(config: StreamerConfig) -> Storage:
     return GcsStorage(config.gcs)
 
 
-_FACTORIES: dict[str, Factory] = {"s3": _s3, "gs": _gcs}
+def _azure(config: StreamerConfig) -> Storage:
+    from streamer.backends.azure.storage import AzureStorage  # aiohttp and the Azure SDK only then
+
+    return AzureStorage(config.azure)
+
+
+# https:// is Azure's portal form (https://<account>.blob.core.windows.net/...); other hosts are refused.
+_FACTORIES: dict[str, Factory] = {"s3": _s3, "gs": _gcs, "az": _azure, "https": _azure}
 
 
 def register(scheme: str, factory: Factory) -> None:
@@ -59,7 +67,8 @@ def scheme_of(source: SourceLike) -> str | None:
     schemes = {scheme_of(item) for item in source}
     if len(schemes) > 1:
         raise SourceError(
-            "a checkpoint's files must be in one place (all local or all on S3 or all on GCS), not a mix"
+            "a checkpoint's files must be in one place (all local or all on S3 or all on one other store), "
+            "not a mix"
         )
     return schemes.pop() if schemes else None
 

@@ -15,6 +15,8 @@ S3_MODULES = ("aiobotocore", "botocore", "aiohttp")
 S3_INSTALL = "pip install 'streamer-weights[s3]'"
 GCS_MODULES = ("aiohttp", "google.auth", "requests")
 GCS_INSTALL = "pip install 'streamer-weights[gcs]'"
+AZURE_MODULES = ("aiohttp", "azure.identity", "azure.storage.blob")
+AZURE_INSTALL = "pip install 'streamer-weights[azure]'"
 
 
 def require_s3() -> None:
@@ -25,6 +27,11 @@ def require_s3() -> None:
 def require_gcs() -> None:
     """Imports what GCS reads need; ``ConfigError`` naming the pip command if one is missing."""
     _require(GCS_MODULES, "gs://", "GCS", GCS_INSTALL)
+
+
+def require_azure() -> None:
+    """Imports what Azure Blob reads need; ``ConfigError`` naming the pip command if one is missing."""
+    _require(AZURE_MODULES, "Azure Blob", "Azure", AZURE_INSTALL)
 
 
 def _require(modules: tuple[str, ...], scheme: str, extra: str, install: str) -> None:

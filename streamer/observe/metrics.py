@@ -96,6 +96,7 @@ class LoadMetrics:
             "worker_idle_s": self.engine.get("idle_seconds", 0.0),
             "s3_files": self.storage.get("s3_files", 0),
             "gcs_files": self.storage.get("gcs_files", 0),
+            "azure_files": self.storage.get("azure_files", 0),
             "prefault_bytes": self.prefault_bytes,
             "page_fill": self.page_fill,
             "filled_bytes": int(self.engine.get("bytes_filled", 0)),  # placed through the page fill

@@ -55,7 +55,7 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     changes["cache"] = dataclasses.replace(defaults.cache, **cache)
     weights = extra.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
-        raise ConfigError(f"weights must be a path or an s3:// or gs:// URI, got {weights!r}")
+        raise ConfigError(f"weights must be a path or an s3://, gs:// or az:// URI, got {weights!r}")
     distributed = extra.get("distributed", True)
     if not isinstance(distributed, bool):
         raise ConfigError(f"distributed must be true or false, got {distributed!r}")
@@ -63,7 +63,7 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     return LoaderOptions(config=config, weights=weights, distributed=distributed)
 
 
-REMOTE_SCHEMES = ("s3://", "gs://")
+REMOTE_SCHEMES = ("s3://", "gs://", "az://", "https://")  # https: Azure Blob's portal URLs
 
 
 def is_remote(location: str) -> bool:

@@ -46,7 +46,7 @@ class GcsClient(RestObjectClient):
         pinned = f"&generation={version}" if version else ""
         return f"{self._endpoint}{_gcs(uri).object_path}?alt=media{pinned}"
 
-    async def authorization(self) -> tuple[dict[str, str], str]:
+    async def authorization(self, uri: ObjectUri) -> tuple[dict[str, str], str]:
         return await self._tokens.header(), ""
 
     def version_from(self, headers: Mapping[str, str]) -> str | None:
@@ -121,7 +121,7 @@ class GcsClient(RestObjectClient):
     async def empty_object(self, uri: ObjectUri, speed: LowSpeed) -> GcsObject:
         """An empty object, with its generation from its metadata."""
         url = f"{self._endpoint}{_gcs(uri).object_path}?fields=generation,size"
-        _, _, body = await self.get(url, {}, 64 << 10, speed)
+        _, _, body = await self.get(uri, url, {}, 64 << 10, speed)
         fields = _json(body)
         if str(fields.get("size", "")) != "0":
             raise Retry("the object is not empty any more")
@@ -144,7 +144,7 @@ class GcsClient(RestObjectClient):
             url = f"{self._endpoint}{uri.bucket_path}?{urlencode(query)}"
 
             async def once(speed: LowSpeed, url: str = url) -> dict[str, Any]:
-                _, _, body = await self.get(url, {}, _LIST_PAGE_BYTES, speed)
+                _, _, body = await self.get(uri, url, {}, _LIST_PAGE_BYTES, speed)
                 if len(body) > _LIST_PAGE_BYTES:
                     raise Fatal("a listing page of more than 4 MiB")
                 return _json(body)

@@ -63,8 +63,9 @@ class RestObjectClient(ObjectStoreClient):
         """The URL a GET of the object's bytes goes to (pinned to ``version`` where the URL can say it)."""
 
     @abc.abstractmethod
-    async def authorization(self) -> tuple[dict[str, str], str]:
-        """The headers and the query (``""`` or ``"a=b&..."``) that authorise a request now."""
+    async def authorization(self, uri: ObjectUri) -> tuple[dict[str, str], str]:
+        """The headers and the query (``""`` or ``"a=b&..."``) that authorise a request for ``uri``
+        (an object, or a prefix being listed) now."""
 
     @abc.abstractmethod
     def version_from(self, headers: Mapping[str, str]) -> str | None:
@@ -85,7 +86,7 @@ class RestObjectClient(ObjectStoreClient):
     # --- the shared client's hooks -----------------------------------------------------------
 
     async def sign(self, obj: StoredObject) -> tuple[Target, dict[str, str]]:
-        headers, query = await self.authorization()
+        headers, query = await self.authorization(obj.uri)
         url = self.object_url(obj.uri, obj.version)
         return Target.parse(_with_query(url, query)), headers
 
@@ -124,12 +125,12 @@ class RestObjectClient(ObjectStoreClient):
     # --- the control plane -------------------------------------------------------------------
 
     async def get(
-        self, url: str, headers: Mapping[str, str], limit: int, speed: LowSpeed
+        self, uri: ObjectUri, url: str, headers: Mapping[str, str], limit: int, speed: LowSpeed
     ) -> tuple[int, dict[str, str], bytes]:
-        """One authorised GET: status, headers (lower-case names) and at most ``limit + 1`` body
-        bytes; an error status is an ``HttpFailure`` carrying the store's error code."""
+        """One GET authorised for ``uri``: status, headers (lower-case names) and at most
+        ``limit + 1`` body bytes; an error status is an ``HttpFailure`` with the store's error code."""
         self.requests += 1
-        auth, query = await self.authorization()
+        auth, query = await self.authorization(uri)
         request = {**headers, **auth, "Accept-Encoding": "identity"}
         async with self._session.get(
             _with_query(url, query), headers=request, allow_redirects=False
@@ -161,7 +162,8 @@ class RestObjectClient(ObjectStoreClient):
 
         async def once(speed: LowSpeed) -> tuple[bytes, StoredObject]:
             try:
-                status, headers, data = await self.get(url, {"Range": f"bytes=0-{length - 1}"}, length, speed)
+                asked = {"Range": f"bytes=0-{length - 1}"}
+                status, headers, data = await self.get(uri, url, asked, length, speed)
             except HttpFailure as failure:
                 if failure.status != 416:
                     raise
