@@ -111,7 +111,8 @@ class RestObjectClient(ObjectStoreClient):
             return Fatal(f"TLS failure: {type(exc).__name__}")
         if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
             return Retry(f"connection failure: {type(exc).__name__}")
-        return Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
+        # The type alone: a message could quote the request's URL, and a SAS is in its query.
+        return Fatal(f"unexpected failure: {type(exc).__name__}")
 
     def error_type(self, failure: Retry | Fatal, *, source_errors: bool) -> type[ObjectStoreError]:
         gone = source_errors and failure.status in (401, 403, 404, *_REDIRECTS)
