@@ -27,6 +27,7 @@ else
 fi
 pip_quiet install -q -c constraints/oldest.txt '.[s3]' 'pytest>=8'  # what the tests below import (S3 errors too)
 pip_quiet install -q --no-deps ./integrations/vllm  # its metadata is tested (test_packaging.py)
+pip_quiet install -q --no-deps ./benchmarks  # the page-cache helpers test_load.py evicts with
 (cd / && "$venv/bin/python" -c "import streamer.engine.native as n; n._lib()") \
   || { echo "[range] streamer failed to install" >&2; exit 1; }
 "$venv/bin/python" -c 'import sys, torch; print(f"[range] Python {sys.version.split()[0]}, torch {torch.__version__}")'
