@@ -57,4 +57,3 @@ def require_cache() -> None:
     else:
         return
     raise ConfigError(f"the local cache (StreamerConfig.cache) needs 'xxhash': {S3_INSTALL}")
-

@@ -14,15 +14,11 @@ from streamer.backends.azure.auth import Authorization, account_of
 from streamer.backends.azure.uri import AzureBlob, AzureUri
 from streamer.backends.http.client import Fatal, Retry
 from streamer.backends.http.objects import ObjectUri, StoredObject
-from streamer.backends.http.rest import RETRYABLE_STATUS, RestObjectClient
+from streamer.backends.http.rest import RestObjectClient
 from streamer.backends.http.timing import LowSpeed
 from streamer.backends.optional import require_azure
 from streamer.config import AzureConfig
 from streamer.errors import ObjectSourceError
-
-_LIST_PAGE_BYTES = 8 << 20  # a listing page's size bound (5000 names), for its attempt deadline
-_RETRYABLE_CODES = frozenset({"ServerBusy", "OperationTimedOut", "InternalError"})
-_MISSING_CODES = frozenset({"BlobNotFound", "ContainerNotFound", "ResourceNotFound"})
 
 
 class AzureClient(RestObjectClient):
@@ -30,6 +26,8 @@ class AzureClient(RestObjectClient):
 
     uri_type = AzureUri
     changed = "the blob changed during the load (its ETag or size is not the header's)"
+    retry_codes = frozenset({"ServerBusy", "OperationTimedOut", "InternalError"})
+    missing_codes = frozenset({"BlobNotFound", "ContainerNotFound", "ResourceNotFound"})
 
     def __init__(self, config: AzureConfig, account: str | None) -> None:
         require_azure()
@@ -75,22 +73,11 @@ class AzureClient(RestObjectClient):
             )
         return super().classify(exc)
 
-    def classify_status(self, status: int, code: str | None) -> Retry | Fatal:
-        if status == 401:
-            self._authorization.refused()
-            return Retry("the token was refused (refreshed for the next try)", status, code)
-        if status in RETRYABLE_STATUS or status >= 500 or code in _RETRYABLE_CODES:
-            return Retry("the server asked to retry", status, code)
-        if status == 412 or code == "ConditionNotMet":
-            return Fatal(self.changed, status, code)
-        if status == 404 or code in _MISSING_CODES:
-            what = "container" if code == "ContainerNotFound" else "blob"
-            return Fatal(f"no such {what}", status, code)
-        if status == 403:
-            return Fatal("access denied", status, code)
-        if 200 <= status < 300:
-            return Retry("an unusable response (not the range asked for)", status, code)
-        return Fatal("request refused", status, code)
+    def token_refused(self) -> None:
+        self._authorization.refused()
+
+    def missing(self, code: str | None) -> str:
+        return "container" if code == "ContainerNotFound" else "blob"
 
     def error_code(self, headers: Mapping[str, str], body: bytes) -> str | None:
         code = headers.get("x-ms-error-code")
@@ -111,35 +98,14 @@ class AzureClient(RestObjectClient):
         self.verify(blob, headers)
         return blob
 
-    async def list_keys(self, bucket: str, prefix: str) -> list[str]:
-        """Blob names directly under ``prefix`` (not in virtual "directories"), sorted; a marker seen
-        before, or more than ``max_list_pages`` pages, is an error."""
-        keys: list[str] = []
-        marker: str | None = None
-        seen: set[str] = set()
-        uri = AzureUri(bucket, prefix)
-        for _ in range(self.config.max_list_pages):
-            query = {"restype": "container", "comp": "list", "prefix": prefix, "delimiter": "/"}
-            if marker:
-                query["marker"] = marker
-            url = f"{self.account.endpoint}/{quote(bucket, safe='')}?{urlencode(query)}"
+    def list_page_url(self, bucket: str, prefix: str, token: str | None) -> str:
+        query = {"restype": "container", "comp": "list", "prefix": prefix, "delimiter": "/"}
+        if token:
+            query["marker"] = token
+        return f"{self.account.endpoint}/{quote(bucket, safe='')}?{urlencode(query)}"
 
-            async def once(speed: LowSpeed, url: str = url) -> tuple[list[str], str | None]:
-                _, _, body = await self.get(uri, url, {}, _LIST_PAGE_BYTES, speed)
-                if len(body) > _LIST_PAGE_BYTES:
-                    raise Fatal("a listing page of more than 8 MiB")
-                return _listing(body)
-
-            names, marker = await self.retrying(uri, None, once, nbytes=_LIST_PAGE_BYTES, source_errors=True)
-            keys.extend(names)
-            if not marker:
-                return sorted(keys)
-            if marker in seen:
-                raise self.source_error("the listing repeats a marker: it would never end", uri)
-            seen.add(marker)
-        raise self.source_error(
-            f"the listing has more than {self.config.max_list_pages} pages (AzureConfig.max_list_pages)", uri
-        )
+    def parse_page(self, body: bytes) -> tuple[list[str], str | None]:
+        return _listing(body)
 
 
 def _listing(body: bytes) -> tuple[list[str], str | None]:

@@ -15,13 +15,11 @@ from streamer.backends.gcs.auth import Tokens
 from streamer.backends.gcs.uri import GcsObject, GcsUri
 from streamer.backends.http.client import Fatal, Retry
 from streamer.backends.http.objects import ObjectUri, StoredObject
-from streamer.backends.http.rest import RETRYABLE_STATUS, RestObjectClient
+from streamer.backends.http.rest import RestObjectClient
 from streamer.backends.http.timing import LowSpeed
 from streamer.backends.optional import require_gcs
 from streamer.config import GCSConfig
 from streamer.errors import ObjectSourceError
-
-_LIST_PAGE_BYTES = 4 << 20  # a listing page's size bound (1000 names), for its attempt deadline
 
 
 class GcsClient(RestObjectClient):
@@ -79,22 +77,11 @@ class GcsClient(RestObjectClient):
             return Retry(f"token refresh failed: {type(exc).__name__}")
         return super().classify(exc)
 
-    def classify_status(self, status: int, code: str | None) -> Retry | Fatal:
-        if status == 401:
-            self._tokens.refused()
-            return Retry("the token was refused (refreshed for the next try)", status, code)
-        if status in RETRYABLE_STATUS or status >= 500:
-            return Retry("the server asked to retry", status, code)
-        if status == 412:
-            return Fatal(self.changed, status, code)
-        if status == 404:
-            what = "bucket" if code == "bucketNotFound" else "object (or generation)"
-            return Fatal(f"no such {what}", status, code)
-        if status == 403:
-            return Fatal("access denied", status, code)
-        if 200 <= status < 300:
-            return Retry("an unusable response (not the range asked for)", status, code)
-        return Fatal("request refused", status, code)
+    def token_refused(self) -> None:
+        self._tokens.refused()
+
+    def missing(self, code: str | None) -> str:
+        return "bucket" if code == "bucketNotFound" else "object (or generation)"
 
     def error_code(self, headers: Mapping[str, str], body: bytes) -> str | None:
         """GCS's reason for an error (``notFound``, ``forbidden``; ``bucketNotFound`` where the
@@ -130,39 +117,20 @@ class GcsClient(RestObjectClient):
         self.verify(obj, {} if generation is None else {"x-goog-generation": str(generation)})
         return obj
 
-    async def list_keys(self, bucket: str, prefix: str) -> list[str]:
-        """Names directly under ``prefix`` (not in sub-"directories"), sorted; a page token seen
-        before, or more than ``max_list_pages`` pages, is an error."""
-        keys: list[str] = []
-        token: str | None = None
-        seen: set[str] = set()
-        uri = GcsUri(bucket, prefix)
-        for _ in range(self.config.max_list_pages):
-            query = {"prefix": prefix, "delimiter": "/", "fields": "items(name),nextPageToken"}
-            if token:
-                query["pageToken"] = token
-            url = f"{self._endpoint}{uri.bucket_path}?{urlencode(query)}"
+    def list_page_url(self, bucket: str, prefix: str, token: str | None) -> str:
+        query = {"prefix": prefix, "delimiter": "/", "fields": "items(name),nextPageToken"}
+        if token:
+            query["pageToken"] = token
+        return f"{self._endpoint}{GcsUri(bucket, prefix).bucket_path}?{urlencode(query)}"
 
-            async def once(speed: LowSpeed, url: str = url) -> dict[str, Any]:
-                _, _, body = await self.get(uri, url, {}, _LIST_PAGE_BYTES, speed)
-                if len(body) > _LIST_PAGE_BYTES:
-                    raise Fatal("a listing page of more than 4 MiB")
-                return _json(body)
-
-            page = await self.retrying(uri, None, once, nbytes=_LIST_PAGE_BYTES, source_errors=True)
-            for item in page.get("items", []):
-                name = item.get("name") if isinstance(item, dict) else None
-                if isinstance(name, str):
-                    keys.append(name)
-            token = page.get("nextPageToken")
-            if not isinstance(token, str) or not token:
-                return sorted(keys)
-            if token in seen:
-                raise self.source_error("the listing repeats a page token: it would never end", uri)
-            seen.add(token)
-        raise self.source_error(
-            f"the listing has more than {self.config.max_list_pages} pages (GCSConfig.max_list_pages)", uri
-        )
+    def parse_page(self, body: bytes) -> tuple[list[str], str | None]:
+        page = _json(body)
+        items = page.get("items", [])
+        names = [
+            item["name"] for item in items if isinstance(item, dict) and isinstance(item.get("name"), str)
+        ]
+        token = page.get("nextPageToken")
+        return names, token if isinstance(token, str) and token else None
 
 
 def _gcs(uri: ObjectUri) -> GcsUri:

@@ -24,6 +24,7 @@ from streamer.backends.http.timing import LowSpeed
 from streamer.errors import ObjectMissingError, ObjectSourceError, ObjectStoreError
 
 ERROR_BODY_LIMIT = 64 << 10
+LIST_PAGE_BYTES = 8 << 20  # a listing page's size bound (GCS: 1000 names, Azure: 5000), its deadline
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
@@ -76,8 +77,41 @@ class RestObjectClient(ObjectStoreClient):
         """An empty object (a ranged GET of it is a 416), with its version."""
 
     @abc.abstractmethod
+    def token_refused(self) -> None:
+        """The server refused the credentials (401): refresh them before the next try."""
+
+    @abc.abstractmethod
+    def missing(self, code: str | None) -> str:
+        """What a 404 with the store's ``code`` says is missing ("bucket", "blob", ...)."""
+
+    retry_codes: frozenset[str] = frozenset()  # the store's codes that say "try again"
+    missing_codes: frozenset[str] = frozenset()  # ... that say the object or its bucket is gone
+
     def classify_status(self, status: int, code: str | None) -> Retry | Fatal:
         """What an error status (and the store's error code) means."""
+        if status == 401:
+            self.token_refused()
+            return Retry("the credentials were refused (refreshed for the next try)", status, code)
+        if status in RETRYABLE_STATUS or status >= 500 or code in self.retry_codes:
+            return Retry("the server asked to retry", status, code)
+        if status == 412:
+            return Fatal(self.changed, status, code)
+        if status == 404 or code in self.missing_codes:
+            return Fatal(f"no such {self.missing(code)}", status, code)
+        if status == 403:
+            return Fatal("access denied", status, code)
+        if 200 <= status < 300:
+            return Retry("an unusable response (not the range asked for)", status, code)
+        return Fatal("request refused", status, code)
+
+    @abc.abstractmethod
+    def list_page_url(self, bucket: str, prefix: str, token: str | None) -> str:
+        """The URL of one listing page of the names directly under ``prefix`` (``token``: the
+        page the last one pointed to)."""
+
+    @abc.abstractmethod
+    def parse_page(self, body: bytes) -> tuple[list[str], str | None]:
+        """A listing page's names and the token of the next page (None at the end)."""
 
     @abc.abstractmethod
     def stored(self, uri: ObjectUri, size: int, version: str | None) -> StoredObject:
@@ -187,6 +221,33 @@ class RestObjectClient(ObjectStoreClient):
             return data, obj
 
         return await self.retrying(uri, (0, length), once, nbytes=length, source_errors=True)
+
+    async def list_keys(self, bucket: str, prefix: str) -> list[str]:
+        """Names directly under ``prefix`` (not in sub-"directories"), sorted; a page token seen
+        before, or more than ``max_list_pages`` pages, is an error: a server that answers with
+        one more page for ever must not keep the open running for ever."""
+        keys: list[str] = []
+        token: str | None = None
+        seen: set[str] = set()
+        uri = self.uri_type(bucket, prefix)
+        pages = self.settings.max_list_pages
+        for _ in range(pages):
+            url = self.list_page_url(bucket, prefix, token)
+
+            async def once(speed: LowSpeed, url: str = url) -> tuple[list[str], str | None]:
+                _, _, body = await self.get(uri, url, {}, LIST_PAGE_BYTES, speed)
+                if len(body) > LIST_PAGE_BYTES:
+                    raise Fatal(f"a listing page of more than {LIST_PAGE_BYTES >> 20} MiB")
+                return self.parse_page(body)
+
+            names, token = await self.retrying(uri, None, once, nbytes=LIST_PAGE_BYTES, source_errors=True)
+            keys.extend(names)
+            if not token:
+                return sorted(keys)
+            if token in seen:
+                raise self.source_error("the listing repeats a page token: it would never end", uri)
+            seen.add(token)
+        raise self.source_error(f"the listing has more than {pages} pages (max_list_pages)", uri)
 
     async def get_object(self, uri: ObjectUri, limit: int) -> bytes:
         """A whole small object, e.g. an index file; ``ObjectSourceError`` when it is over ``limit``."""
