@@ -64,7 +64,9 @@ def test_table_is_printed(run: dict[str, Any]) -> None:
     for loader in ("streamer", "safetensors", "runai"):
         assert any(line.startswith(loader) for line in stdout.splitlines())
     assert "storage ceilings" in stdout and "memcpy" in stdout and "first_touch" in stdout
-    assert "[cold 1/3]" in run["proc"].stderr  # progress goes to stderr
+    assert "[cold 1/4]" in run["proc"].stderr  # progress goes to stderr (streamer's into=touched row too)
+    assert any(line.startswith("streamer") and "into=touched" in line for line in stdout.splitlines())
+    assert "÷ ceiling" in stdout and "-- cold: bound by " in stdout and "-- cold: stopped: " in stdout
 
 
 def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
@@ -79,8 +81,9 @@ def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
     assert doc["checkpoint"]["tensor_bytes"] > 3 * MiB and len(doc["checkpoint"]["files"]) == 2
     for section in doc["sections"]:
         assert section["reference"] == {"loader": "streamer", "setting": "default"}
-        by_loader = {r["loader"]: r for r in section["results"]}
+        by_loader = {r["loader"]: r for r in section["results"] if r["setting"] != "into=touched"}
         assert set(by_loader) == {"streamer", "safetensors", "runai"}
+        assert section["stopped"].startswith("1 rounds, the most asked for")
         for result in section["results"]:
             assert result["status"] == "ok", result
             assert result["bytes"] == doc["checkpoint"]["tensor_bytes"]
@@ -332,8 +335,16 @@ def test_a_run_cut_by_a_signal_reports_the_runs_that_finished(tmp_path: Path, si
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "streamer_bench", "--synthetic", "2MiB", "--keep", str(keep)),
-            *("--loaders", "streamer,safetensors", "--safetensors-backends", "mmap", "--warm"),
-            *("--repeat", "100", "--no-ceilings", "--settle", "0", "--json", str(tmp_path / "out.json")),
+            *(
+                "--loaders",
+                "streamer,safetensors",
+                "--safetensors-backends",
+                "mmap",
+                "--warm",
+                "--no-into-touched",
+            ),
+            *("--repeat", "100", "--min-rounds", "100", "--no-ceilings", "--settle", "0"),
+            *("--json", str(tmp_path / "out.json")),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
