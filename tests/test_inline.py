@@ -24,6 +24,7 @@ from conftest import (
 
 import streamer
 from streamer import ReadError, StreamerConfig
+from streamer.run import inline as inline_run
 
 
 @pytest.fixture
@@ -148,3 +149,31 @@ def test_a_run_read_in_two_halves_is_bit_exact_and_a_failure_in_either_half_is_r
             list(handle)
     assert info.value.tensor == "w5" and info.value.path == str(path)
     assert thread_count() == before
+
+
+def test_the_caller_reads_on_while_the_helper_thread_is_held_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper kept off the CPU (torch's OpenMP workers spin on the other core after each parallel
+    op) must not stall the load: the caller takes every other piece, then waits only for the one
+    the helper holds."""
+    g = torch.Generator().manual_seed(8)
+    tensors = {f"w{i}": random_tensor((512 << 10,), torch.float32, g) for i in range(4)}  # 8 MiB
+    path = write_checkpoint(tmp_path, tensors, index=False).shards[0]
+    read = inline_run.Piece.read
+    by_caller: list[inline_run.Piece] = []
+    caller_done = threading.Event()
+    pieces = (8 << 20) // inline_run.PIECE_MIN_BYTES
+
+    def held_up_read(piece: inline_run.Piece) -> None:
+        if threading.current_thread().name == "streamer-inline":
+            assert caller_done.wait(30), "the caller waited for the helper before reading on"
+        else:
+            by_caller.append(piece)
+            if len(by_caller) == pieces - 1:
+                caller_done.set()
+        read(piece)
+
+    monkeypatch.setattr(inline_run.Piece, "read", held_up_read)
+    assert_same_dict(streamer.load_file(path), tensors)
+    assert len(by_caller) == pieces - 1

@@ -5,14 +5,16 @@ milliseconds each through the engine (starting and joining its readers, fresh ma
 faulted in page by page), where the bytes themselves take a fraction of one. A run of at most
 ``StreamerConfig.inline_max_bytes`` from local files into CPU memory is therefore read here:
 each tensor gets its own memory from torch's allocator (recycled by the C library, as a copy's
-would be), neighbouring tensors are read with one ``preadv``, and a run of 4 MiB or more in two
-halves at once (one helper thread). Warm, in one process (``benchmarks/small_files.py``): 2.8x
-faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, 0.84x at 16 MiB, hence the 8 MiB default.
+would be), neighbouring tensors are read with one ``preadv``, and from 4 MiB a helper thread
+takes pieces of the run from the same queue as the caller. Warm, in one process
+(``benchmarks/small_files.py``): 2.8x faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, not
+separable at 16 MiB, hence the 8 MiB default.
 A short read is the same typed error the engine gives; the file and tensor are named.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import threading
@@ -29,7 +31,9 @@ from streamer.plan.checkpoint import Checkpoint, TensorRef
 from streamer.plan.segments import stretches
 from streamer.plan.selection import Selection, run_then_close
 
-PARALLEL_MIN_BYTES = 4 << 20  # from here a run is read in two halves at once (two threads)
+PARALLEL_MIN_BYTES = 4 << 20  # from here a helper thread shares the reads
+PIECE_MIN_BYTES = 512 << 10
+PIECE_MAX_BYTES = 4 << 20
 
 
 def fits_inline(refs: Sequence[TensorRef], config: StreamerConfig, *, keep_all: bool) -> bool:
@@ -83,9 +87,9 @@ class InlineRun:
         self.metrics.finish(read)
 
     def _read_all(self, tensors: dict[str, torch.Tensor]) -> int:
-        """Reads every tensor with bytes into its tensor of ``tensors``: neighbours in one ``preadv``,
-        and a run of ``PARALLEL_MIN_BYTES`` or more in two halves at once (a copy out of the page
-        cache is CPU work: torch's own copies use every core); the bytes read."""
+        """Reads every tensor with bytes into its tensor of ``tensors``, neighbours in one ``preadv``;
+        the bytes read. From ``PARALLEL_MIN_BYTES`` a helper thread shares the pieces (a copy out of
+        the page cache is CPU work: torch's own copies use every core)."""
         wanted = [ref for ref in self._refs if ref.entry.nbytes]
         paths = self._checkpoint.headers
         fds: dict[int, int] = {}
@@ -93,34 +97,101 @@ class InlineRun:
             for file in dict.fromkeys(ref.file for ref in wanted):
                 fds[file] = _open_regular(paths[file].path)
             total = sum(ref.entry.nbytes for ref in wanted)
-            # The affinity, not the cgroup quota (usable_cores, ~70 us of file reads): two halves
+            pieces = [
+                Piece(
+                    fds[stretch[0].file],
+                    paths[stretch[0].file].path,
+                    stretch[0].entry.begin + skip,
+                    stretch,
+                    views,
+                )
+                for stretch in _stretches(wanted)
+                for skip, views in _cut(
+                    [_bytes(tensors[ref.entry.name]) for ref in stretch], _piece_bytes(total)
+                )
+            ]
+            # The affinity, not the cgroup quota (usable_cores, ~70 us of file reads): two readers
             # on a one-core quota only take turns.
-            two_cores = len(os.sched_getaffinity(0)) > 1
-            halves = _halves(wanted, total) if total >= PARALLEL_MIN_BYTES and two_cores else [wanted]
-            failures: list[BaseException] = []
-
-            def read(refs: Sequence[TensorRef]) -> None:
-                try:
-                    for stretch in _stretches(refs):
-                        path = paths[stretch[0].file].path
-                        views = [_bytes(tensors[ref.entry.name]) for ref in stretch]
-                        _read_exactly(fds[stretch[0].file], views, stretch, path)
-                except BaseException as error:  # the first failure is the run's, whichever half
-                    failures.append(error)
-
-            helper = None
-            if len(halves) == 2:
-                helper = threading.Thread(target=read, args=(halves[1],), name="streamer-inline")
-                helper.start()
-            read(halves[0])
-            if helper is not None:
-                helper.join()
-            if failures:
-                raise failures[0]
+            shared = total >= PARALLEL_MIN_BYTES and len(pieces) > 1 and len(os.sched_getaffinity(0)) > 1
+            _read_pieces(pieces, helped=shared)
         finally:
             for fd in fds.values():
                 os.close(fd)
         return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One ``preadv``: ``views`` (slices of the tensors ``refs``) filled from ``position`` of ``fd``."""
+
+    fd: int
+    path: str
+    position: int
+    refs: Sequence[TensorRef]
+    views: Sequence[tuple[int, memoryview]]  # (index in refs, bytes), back to back in the file
+
+    def read(self) -> None:
+        """Fills the views; a short read or an I/O error is a ``ReadError`` naming the file and the
+        tensor it stopped in."""
+        position = self.position
+        pending = [view for _, view in self.views]
+        done = 0
+        while pending:
+            try:
+                got = os.preadv(self.fd, pending[:_IOV_MAX], position)
+            except OSError as exc:
+                raise ReadError(
+                    f"read failed: {exc.strerror}", path=self.path, tensor=self._tensor(done), offset=position
+                ) from None
+            if got <= 0:
+                stretch = self.refs[-1].entry.end - self.refs[0].entry.begin
+                raise ReadError(
+                    f"file ended early: {position - self.refs[0].entry.begin} of {stretch} bytes read "
+                    "(truncated or replaced while loading?)",
+                    path=self.path,
+                    tensor=self._tensor(done),
+                    offset=position,
+                )
+            position += got
+            while pending and got >= len(pending[0]):
+                got -= len(pending.pop(0))
+                done += 1
+            if got:
+                pending[0] = pending[0][got:]
+
+    def _tensor(self, done: int) -> str:
+        return self.refs[self.views[done][0]].entry.name
+
+
+def _read_pieces(pieces: Sequence[Piece], *, helped: bool) -> None:
+    """Reads every piece on this thread, with a helper thread taking pieces from the same queue when
+    ``helped``. The caller never waits for a helper that has not started yet (a core busy with
+    torch's spinning OpenMP workers can keep it off for milliseconds): it just reads on; at the
+    end it waits only for the piece the helper is in. The first failure is raised, whichever
+    thread met it, and stops both."""
+    queue = iter(pieces)
+    take = threading.Lock()
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        while not failures:
+            with take:
+                piece = next(queue, None)
+            if piece is None:
+                return
+            try:
+                piece.read()
+            except BaseException as error:
+                failures.append(error)
+
+    helper = threading.Thread(target=work, name="streamer-inline") if helped else None
+    if helper is not None:
+        helper.start()
+    work()
+    if helper is not None:
+        helper.join()
+    if failures:
+        raise failures[0]
 
 
 def _open_regular(path: str) -> int:
@@ -134,16 +205,6 @@ def _open_regular(path: str) -> int:
         os.close(fd)
         raise SourceError("cannot open: not a regular file", path=path)
     return fd
-
-
-def _halves(refs: Sequence[TensorRef], total: int) -> list[Sequence[TensorRef]]:
-    """``refs`` cut at the tensor nearest half of ``total`` bytes."""
-    seen = 0
-    for cut, ref in enumerate(refs):
-        if seen + ref.entry.nbytes / 2 >= total / 2:
-            return [refs[:cut], refs[cut:]] if 0 < cut < len(refs) else [refs]
-        seen += ref.entry.nbytes
-    return [refs]
 
 
 def _stretches(refs: Sequence[TensorRef]) -> Iterator[Sequence[TensorRef]]:
@@ -160,33 +221,28 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.view(-1).view(torch.uint8).numpy().data
 
 
-def _read_exactly(fd: int, views: list[memoryview], refs: Sequence[TensorRef], path: str) -> None:
-    """Fills ``views``, the bytes of ``refs`` back to back in the file; a short read or an I/O error
-    is a ``ReadError`` naming the file and the tensor it stopped in."""
-    position = refs[0].entry.begin
-    pending, index = list(views), 0
-    while pending:
-        try:
-            got = os.preadv(fd, pending[:_IOV_MAX], position)
-        except OSError as exc:
-            raise ReadError(
-                f"read failed: {exc.strerror}", path=path, tensor=refs[index].entry.name, offset=position
-            ) from None
-        if got <= 0:
-            expected = refs[-1].entry.end - refs[0].entry.begin
-            raise ReadError(
-                f"file ended early: {position - refs[0].entry.begin} of {expected} bytes read "
-                "(truncated or replaced while loading?)",
-                path=path,
-                tensor=refs[index].entry.name,
-                offset=position,
-            )
-        position += got
-        while pending and got >= len(pending[0]):
-            got -= len(pending.pop(0))
-            index += 1
-        if got:
-            pending[0] = pending[0][got:]
+def _piece_bytes(total: int) -> int:
+    """How much one ``preadv`` reads: about a sixteenth of the run (so two readers end close
+    together), between ``PIECE_MIN_BYTES`` and ``PIECE_MAX_BYTES``."""
+    return min(max(total // 16, PIECE_MIN_BYTES), PIECE_MAX_BYTES)
+
+
+def _cut(views: list[memoryview], limit: int) -> Iterator[tuple[int, list[tuple[int, memoryview]]]]:
+    """``views`` (back to back in the file) in groups of at most ``limit`` bytes, a view cut where a
+    group ends: each group with its distance in bytes from the first view's start, each part with
+    the index of the view it came from."""
+    group: list[tuple[int, memoryview]] = []
+    start = done = 0
+    for index, view in enumerate(views):
+        while len(view):
+            part = view[: limit - (done - start)]
+            group.append((index, part))
+            view, done = view[len(part) :], done + len(part)
+            if done - start == limit:
+                yield start, group
+                group, start = [], done
+    if group:
+        yield start, group
 
 
 _IOV_MAX = 1024  # buffers one preadv may take (IOV_MAX on Linux)
