@@ -175,3 +175,22 @@ def test_into_touched_is_a_streamer_setting_on_request_only() -> None:
     assert INTO_SETTING not in settings_for("streamer", [], ["default"], ["mmap"])
     assert settings_for("streamer", [], ["default"], ["mmap"], into_touched=True)[-1] == INTO_SETTING
     assert INTO_SETTING not in settings_for("runai", [], ["default"], ["mmap"], into_touched=True)
+
+
+def test_a_ceiling_streamer_beat_is_not_named_as_its_bound() -> None:
+    """Warm, streamer at 4.3 GB/s beats first touch (2.0): the load does not fault fresh pages in,
+    so memcpy (9.0) bounds it, and the line says which ceiling streamer passed."""
+    configs = [_config("streamer", (), [0.25] * 6), _config("runai", (), [1.0] * 6)]
+    section = report.section("warm", configs, [Ceiling("read_buffered", "warm", 6.0, "fio", "8 jobs")])
+    memory = [
+        asdict(Ceiling("first_touch", None, 2.0, "mmap", "")),
+        asdict(Ceiling("memcpy", None, 9.0, "numpy", "")),
+    ]
+    bound = report._binding_ceiling(section, memory)
+    assert bound == {"name": "storage reads", "gbps": 6.0, "passed": [{"name": "first_touch", "gbps": 2.0}]}
+    line = report._binding_line("warm", bound)
+    assert line.startswith("-- warm: bound by storage reads at 6.00 GB/s")
+    assert "streamer beat first_touch at 2.00 GB/s" in line
+    everything = report._binding_ceiling(report.section("warm", configs, []), memory[:1])
+    assert everything is not None and everything["name"] is None
+    assert report._binding_line("warm", everything).startswith("-- warm: above every measured ceiling")
