@@ -15,6 +15,7 @@ from streamer.backends.sources import SourceArg, as_source
 from streamer.config import StreamerConfig
 from streamer.errors import ConfigError, KeyMismatchError, StreamerError
 from streamer.handle import Order, Streamer
+from streamer.observe.events import LoadRecord, report, shown_source
 from streamer.plan.checkpoint import Checkpoint, confirmed, read_checkpoint
 from streamer.run.assembly import fill
 
@@ -115,6 +116,25 @@ def load_into(
     config = config if config is not None else StreamerConfig()
     source = as_source(source)
     tensors = _destination(dest)
+    first = next(iter(tensors.values()), None)
+    record = LoadRecord(shown_source(source), first.device.type if first is not None else "cpu")
+    try:
+        return _open_and_load_into(tensors, source, config, strict, group, record)
+    except Exception as error:
+        record.fail(error)
+        raise
+    finally:
+        report(record.event(), config)
+
+
+def _open_and_load_into(
+    tensors: Mapping[str, torch.Tensor],
+    source: str | list[str],
+    config: StreamerConfig,
+    strict: bool,
+    group: dist.ProcessGroup | None,
+    record: LoadRecord,
+) -> IncompatibleKeys:
     with open_storage(source, config) as storage:
         checkpoint = read_checkpoint(storage, source)
         if group is not None:  # every rank plans from a confirmed open
@@ -122,7 +142,7 @@ def load_into(
         # From a provisional open the load reads at once; nothing reaches ``dest`` before the
         # storage confirms it, and if the source changed the load runs again from the fresh one.
         try:
-            incompatible = _load_into(tensors, storage, checkpoint, config, strict, group)
+            incompatible = _load_into(tensors, storage, checkpoint, config, strict, group, record)
         except StreamerError:
             fresh = confirmed(storage, checkpoint)
             if fresh is checkpoint:
@@ -131,7 +151,7 @@ def load_into(
             fresh = confirmed(storage, checkpoint)
             if fresh is checkpoint:
                 return incompatible
-        return _load_into(tensors, storage, fresh, config, strict, group)
+        return _load_into(tensors, storage, fresh, config, strict, group, record)
 
 
 def _destination(dest: object) -> Mapping[str, torch.Tensor]:
@@ -154,6 +174,7 @@ def _load_into(
     config: StreamerConfig,
     strict: bool,
     group: dist.ProcessGroup | None,
+    record: LoadRecord,
 ) -> IncompatibleKeys:
     missing = [name for name in dest if name not in checkpoint.tensors]
     unexpected = [name for name in checkpoint.tensors if name not in dest]
@@ -162,7 +183,9 @@ def _load_into(
     if group is not None:
         from streamer.group.exchange import exchange_into
 
-        exchange_into(dest, storage, checkpoint, config, group)
+        record.add(exchange_into(dest, storage, checkpoint, config, group))
     else:
-        fill(storage, checkpoint, {name: dest[name] for name in dest if name in checkpoint.tensors}, config)
+        wanted = {name: dest[name] for name in dest if name in checkpoint.tensors}
+        for measured in fill(storage, checkpoint, wanted, config):
+            record.add(measured)
     return IncompatibleKeys(missing, unexpected)

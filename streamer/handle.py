@@ -7,9 +7,9 @@ import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 
@@ -22,6 +22,7 @@ from streamer.destinations.budget import HeldTensors, over_limit_message, stream
 from streamer.destinations.ring import RingCache
 from streamer.errors import ConfigError, FileClosedError, StreamerError
 from streamer.format.safetensors import TensorEntry
+from streamer.observe.events import LoadRecord, report, shown_source
 from streamer.observe.progress import ByteProgress
 from streamer.plan.checkpoint import Checkpoint, TensorRef, confirmed, read_checkpoint
 from streamer.plan.readahead import MAX_WINDOW_BYTES, KeyWalk
@@ -37,6 +38,21 @@ if TYPE_CHECKING:  # a group load imports them (torch.distributed alone costs ~4
     from streamer.group.exchange import GroupExchange
 
 Order = Literal["completion", "checkpoint"]
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _recorded(method: _Method) -> _Method:
+    """A read of the handle whose failure is the load's (its one event says so)."""
+
+    @functools.wraps(method)
+    def recorded(self: Streamer, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as error:
+            self._record.fail(error)
+            raise
+
+    return cast(_Method, recorded)
 
 
 class _Iteration:
@@ -46,8 +62,13 @@ class _Iteration:
     thread waits for the turn in progress, so a generator is never entered twice at once.
     """
 
-    def __init__(self, results: Generator[tuple[str, torch.Tensor], None, None]) -> None:
+    def __init__(
+        self,
+        results: Generator[tuple[str, torch.Tensor], None, None],
+        failed: Callable[[BaseException], None],
+    ) -> None:
         self._results = results
+        self._failed = failed
         self._stopped = False
         self._turn = threading.Lock()
         self.owner = threading.current_thread()
@@ -59,7 +80,13 @@ class _Iteration:
         with self._turn:
             if self._stopped:
                 raise StreamerError("this iteration was stopped: the handle was closed or iterated again")
-            return next(self._results)
+            try:
+                return next(self._results)
+            except StopIteration:
+                raise
+            except Exception as error:
+                self._failed(error)
+                raise
 
     @property
     def running(self) -> bool:
@@ -107,21 +134,31 @@ class Streamer:
         self.config = config if config is not None else StreamerConfig()
         self._order = order
         source = as_source(source)
-        # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
-        # this handle; closed by close(), or when the handle is collected without it.
-        self._storage = open_storage(source, self.config)
+        self._record = LoadRecord(shown_source(source), self.device.type)  # the load's one event
+        try:
+            # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
+            # this handle; closed by close(), or when the handle is collected without it.
+            self._storage = open_storage(source, self.config)
+        except Exception as error:
+            self._record.fail(error)
+            report(self._record.event(), self.config)
+            raise
         weakref.finalize(self, self._storage.close)
         try:
             # Maybe provisional (a cache's note of the source): a full pass reads from it at once,
             # everything else waits for the storage to confirm it (``checkpoint``).
             self._checkpoint = read_checkpoint(self._storage, source)
-        except BaseException:
+        except BaseException as error:
             self._storage.close()
+            if isinstance(error, Exception):
+                self._record.fail(error)
+                report(self._record.event(), self.config)
             raise
         self._provisional = True
         self._group = group
         self._run: Run | InlineRun | None = None  # the last read, for metrics
         self._exchange: GroupExchange | None = None  # the last read's, if it was a group read
+        self._unrecorded = False  # the last read is not yet in the load's record
         self._iteration: weakref.ref[_Iteration] | None = None
         self._rings = RingCache()
         self._walk: KeyWalk | None = None  # get_tensor's read-ahead
@@ -184,13 +221,9 @@ class Streamer:
     @property
     def metrics(self) -> dict[str, Any]:
         """Measurements of the last completed (or closed) read; empty before any."""
-        run = self._exchange.run if self._exchange is not None else self._run
-        if run is None:
-            return {}
-        measured = run.metrics.as_dict()
         if self._exchange is not None:
-            measured["group"] = self._exchange.stats()
-        return measured
+            return self._exchange.measured()
+        return {} if self._run is None else self._run.metrics.as_dict()
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -218,6 +251,7 @@ class Streamer:
         bytes in the page cache cost less per request than bytes on the device."""
         return self._storage.read_cost_of(self.checkpoint.files[ref.file], (ref.entry.begin, ref.entry.end))
 
+    @_recorded
     def read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """The tensors of ``refs``, in the order given, from one run that keeps them all.
 
@@ -226,20 +260,22 @@ class Streamer:
         """
         self._check_open()
         run = self._new_run(refs, ordered=False, keep_all=True)
-        self._run, self._exchange = run, None
+        self._use(run, None)
         got = dict(run.results())
         return [got[ref.entry.name] for ref in refs]
 
+    @_recorded
     def read_packed(self, ref: TensorRef, packing: Packing) -> torch.Tensor:
         """The ranges of ``ref``'s tensor that ``packing`` lays out, back to back in one CPU buffer
         (uint8), read by one run of the handle's storage: how ``get_slice`` reads a shard."""
         self._check_open()
         sink = functools.partial(PackedSink, packing, hugepages=self.config.hugepages)
         run = Run(self.checkpoint, [ref], self.config, sink, ordered=False, storage=self._storage)
-        self._run, self._exchange = run, None
+        self._use(run, None)
         ((_, buffer),) = run.results()
         return buffer
 
+    @_recorded
     def group_read(self, refs: Sequence[TensorRef]) -> list[torch.Tensor]:
         """``read`` with the handle's group: every rank calls it, each with the refs it wants
         (ranks may want different tensors or slices, e.g. ``rows``); bytes several ranks want are
@@ -269,7 +305,7 @@ class Streamer:
             new_tensors=self.device.type == "cpu",
             keep_all=keep_all,
         )
-        self._run, self._exchange = None, exchange
+        self._use(None, exchange)
         return exchange
 
     def rows(self, name: str, start: int, stop: int) -> TensorRef:
@@ -287,6 +323,7 @@ class Streamer:
         )
         return TensorRef(ref.file, sliced)
 
+    @_recorded
     def get_tensor(self, name: str) -> torch.Tensor:
         """Reads one tensor (all workers share it when it is large); an iteration may be under way.
 
@@ -323,7 +360,7 @@ class Streamer:
     def _read_alone(self, ref: TensorRef) -> torch.Tensor:
         """One tensor, under ``memory_limit`` (which warns when the tensor alone exceeds it)."""
         run = self._new_run([ref], ordered=True)
-        self._run, self._exchange = run, None
+        self._use(run, None)
         results = run.results()
         try:
             return next(results)[1]
@@ -356,6 +393,7 @@ class Streamer:
                 bar.update(tensor.nbytes)
         return {name: loaded[name] for name in self.keys()}
 
+    @_recorded
     def _iterate(self, *, keep_all: bool) -> _Iteration:
         """``keep_all``: the caller keeps every tensor (``load``), so host buffers are not limited."""
         self._check_open()
@@ -376,11 +414,13 @@ class Streamer:
         if self._group is not None:  # every rank plans from a confirmed open
             refs = list(self.checkpoint.refs())
             exchange = self._new_exchange(refs, self._group, ordered=ordered, keep_all=keep_all)
-            iteration = _Iteration(exchange.results())
+            iteration = _Iteration(exchange.results(), self._record.fail)
         else:
             run = self._new_run(list(self._checkpoint.refs()), ordered=ordered, keep_all=keep_all)
-            iteration = _Iteration(self._confirmed_results(run, ordered=ordered, keep_all=keep_all))
-            self._run, self._exchange = run, None
+            iteration = _Iteration(
+                self._confirmed_results(run, ordered=ordered, keep_all=keep_all), self._record.fail
+            )
+            self._use(run, None)
         self._iteration = weakref.ref(iteration)
         return iteration
 
@@ -407,7 +447,7 @@ class Streamer:
                 break
             results.close()
             run = self._new_run(list(self._checkpoint.refs()), ordered=ordered, keep_all=keep_all)
-            self._run = run
+            self._use(run, None)
         if first is not None:
             yield first
             del first  # the consumer's reference alone keeps it (memory_limit counts on that)
@@ -427,6 +467,18 @@ class Streamer:
             keep_all=keep_all,
         )
 
+    def _use(self, run: Run | InlineRun | None, exchange: GroupExchange | None) -> None:
+        """Makes a new read the handle's current one (``metrics``); the read it replaces goes into
+        the load's record first."""
+        self._record_last()
+        self._run, self._exchange = run, exchange
+        self._unrecorded = True
+
+    def _record_last(self) -> None:
+        if self._unrecorded:
+            self._record.add(self.metrics)
+            self._unrecorded = False
+
     def _stop(self) -> None:
         iteration = self._iteration() if self._iteration is not None else None
         if iteration is not None:
@@ -438,6 +490,8 @@ class Streamer:
         last read's ``metrics`` stay. Idempotent."""
         self._closed = True
         self._stop()
+        self._record_last()
+        report(self._record.event(), self.config)
         if self._walk is not None:
             self._walk.clear()
         self._rings.clear()

@@ -304,6 +304,7 @@ def test_transient_faults_are_retried(proxy: FaultProxy, single: Written, kind: 
     assert_same_dict(got, reference_load(single.shards))
     assert proxy.injected == 3
     assert metrics["retries"] == 3, metrics
+    assert metrics["throttles"] == (3 if kind in ("503", "429") else 0), metrics
     assert metrics["requests"] == metrics["blocks"] + 3
 
 

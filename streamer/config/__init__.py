@@ -272,6 +272,8 @@ GROUP_VERIFY: tuple[GroupVerify, ...] = ("sampled", "full")
 
 
 UNLIMITED: Literal["unlimited"] = "unlimited"
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 MemoryLimit = int | Literal["unlimited"] | None
 
 
@@ -330,7 +332,7 @@ class StreamerConfig:
     inline_max_bytes: a run of local files into CPU memory of at most this many bytes (default
         8 MiB, ``STREAMER_INLINE_MAX_BYTES``) is read on the caller's thread, each tensor into
         memory of its own, without the engine's reader threads (``streamer.run.inline``): warm,
-        2.8x faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, 0.84x at 16 MiB
+        2.8x faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, not separable at 16 MiB
         (``benchmarks/small_files.py``). 0 reads every run through the engine.
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
@@ -349,6 +351,13 @@ class StreamerConfig:
     s3, gcs, azure: how ``s3://``, ``gs://`` and Azure Blob sources are read (``S3Config``,
         ``GCSConfig``, ``AzureConfig``).
     cache: a local cache in front of object storage (off unless ``cache.dir`` is set).
+    metrics: record every load in Prometheus collectors (``STREAMER_METRICS``, off by default;
+        the ``[prometheus]`` extra): ``streamer.metrics`` lists them and serves them.
+    metrics_textfile: after every load, write this process's ``streamer_*`` series to this file
+        in the node exporter's textfile format (``STREAMER_METRICS_TEXTFILE``; ``{pid}`` in the
+        path becomes the process id); turns ``metrics`` on.
+    log_format: the one INFO event each load logs on the ``streamer`` logger: ``text`` (a line
+        for people) or ``json`` (one object per line, for log pipelines); ``STREAMER_LOG_FORMAT``.
     """
 
     concurrency: int | None = setting(count(1, 1024, optional=True), env="STREAMER_CONCURRENCY")
@@ -365,6 +374,14 @@ class StreamerConfig:
     group_verify: GroupVerify = setting(choice(GROUP_VERIFY), "sampled", env="STREAMER_GROUP_VERIFY")
     group_shm_dir: str | None = setting(_shm_dir, "/dev/shm", env="STREAMER_GROUP_SHM_DIR")
     cache: CacheConfig = field(default_factory=CacheConfig)
+    metrics: bool = setting(flag(), False, env="STREAMER_METRICS")
+    metrics_textfile: str | None = setting(text(), env="STREAMER_METRICS_TEXTFILE")
+    log_format: LogFormat = setting(choice(LOG_FORMATS), "text", env="STREAMER_LOG_FORMAT")
+
+    @property
+    def records_metrics(self) -> bool:
+        """Whether loads are recorded in Prometheus collectors (``metrics``, or a textfile to write)."""
+        return self.metrics or self.metrics_textfile is not None
 
     @property
     def explicit_memory_limit(self) -> int | None:

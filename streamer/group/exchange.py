@@ -125,6 +125,12 @@ class GroupExchange:
             "exchange_seconds": self.exchange_seconds,
         }
 
+    def measured(self) -> dict[str, Any]:
+        """The run's ``metrics`` with the exchange's ``stats`` under ``group`` ({} before a run)."""
+        if self.run is None:
+            return {}
+        return {**self.run.metrics.as_dict(), "group": self.stats()}
+
     def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         return self._exchange()  # closes at the end, on error, or when abandoned
 
@@ -387,9 +393,9 @@ def exchange_into(
     checkpoint: Checkpoint,
     config: StreamerConfig,
     group: dist.ProcessGroup,
-) -> None:
+) -> dict[str, Any]:
     """``load_into`` with a group: the checkpoint's tensors named in ``dest``, in checkpoint order,
-    assembled in place (so they must be contiguous)."""
+    assembled in place (so they must be contiguous); what the exchange measured."""
     names = [name for name in checkpoint.tensors if name in dest]
     for name in names:
         check_destination(checkpoint, name, dest[name])
@@ -402,6 +408,7 @@ def exchange_into(
     )
     for _ in exchange.results():
         pass
+    return exchange.measured()
 
 
 def _piece_bytes(config: StreamerConfig, total: int, world_size: int, largest: int) -> int:

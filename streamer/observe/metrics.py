@@ -34,6 +34,7 @@ class LoadMetrics:
     engine: dict[str, float] = field(default_factory=dict)
     storage: dict[str, int] = field(default_factory=dict)  # the storage's own counters (Feed.stats)
     _started: float = 0.0
+    _ended: float | None = None
 
     def start(self) -> None:
         self._started = time.perf_counter()
@@ -64,7 +65,8 @@ class LoadMetrics:
         self.storage = dict(stats)
 
     def finish(self, peak_buffer_bytes: int) -> None:
-        self.seconds = time.perf_counter() - self._started
+        self._ended = time.perf_counter()
+        self.seconds = self._ended - self._started
         self.peak_buffer_bytes = peak_buffer_bytes
 
     def as_dict(self) -> dict[str, Any]:
@@ -103,9 +105,13 @@ class LoadMetrics:
             "mapped_bytes": int(self.engine.get("bytes_mapped", 0)),  # of those, straight from the cache
             "requests": self.storage.get("requests", 0),  # object-store requests, retries included
             "retries": self.storage.get("retries", 0),  # object-store tries that failed and were retried
+            "throttles": self.storage.get("throttles", 0),  # of those, refused as throttled (429, 503)
             "cache_hit_bytes": self.storage.get("cache_hit_bytes", 0),  # cache: chunk bytes read from it
             "cache_miss_bytes": self.storage.get("cache_miss_bytes", 0),  # cache: chunk bytes fetched from S3
             "cache_write_bytes": self.storage.get("cache_write_bytes", 0),  # cache: chunk bytes stored
             "cache_errors": self.storage.get("cache_errors", 0),  # cache: chunks failing their check
             "cache_dropped": self.storage.get("cache_dropped", 0),  # cache: chunks not written (disk behind)
+            "cache_evictions": self.storage.get("cache_evictions", 0),  # cache: chunks evicted for room
+            "started_at": self._started,  # time.perf_counter() at the start and the end (None: unfinished)
+            "ended_at": self._ended,
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -74,22 +75,26 @@ def fill(
     checkpoint: Checkpoint,
     dest: Mapping[str, torch.Tensor],
     config: StreamerConfig,
-) -> None:
+) -> list[dict[str, Any]]:
     """Reads the checkpoint's tensors named in ``dest`` into them, in place, one device at a time
-    (each after ``check_destination``); zero-size ones have nothing to read."""
+    (each after ``check_destination``); zero-size ones have nothing to read. Each run's metrics."""
     by_device: dict[torch.device, list[str]] = {}
     for name, tensor in dest.items():
         check_destination(checkpoint, name, tensor)
         by_device.setdefault(tensor.device, []).append(name)
     rings = RingCache()
+    measured: list[dict[str, Any]] = []
     for where, names in by_device.items():
         device = parse_device(where)
         refs = [checkpoint.tensors[name] for name in names if checkpoint.tensors[name].entry.nbytes > 0]
         engine = copy_engine.staged_engine(device) or copy_engine.ThreadCopyEngine()
         tensors = {name: dest[name] for name in names}
         staging = Staging(device, engine, functools.partial(ExistingTensors, tensors), rings)
-        for _ in _staged_run(checkpoint, refs, config, staging, storage, ordered=False).results():
+        run = _staged_run(checkpoint, refs, config, staging, storage, ordered=False)
+        for _ in run.results():
             pass
+        measured.append(run.metrics.as_dict())
+    return measured
 
 
 def check_destination(checkpoint: Checkpoint, name: str, tensor: object) -> None:

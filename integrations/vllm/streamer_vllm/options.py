@@ -1,11 +1,14 @@
 """``--model-loader-extra-config`` for ``--load-format streamer``, parsed without vLLM.
 
 Keys (all optional): ``concurrency`` (reader threads), ``block_size`` and ``memory_limit`` (bytes,
-as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unbounded), and
-``weights`` (a local file, directory, ``*.index.json``, ``s3://`` or ``gs://`` URI holding the safetensors,
-KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed", "cache_dir", "cache_max_bytes")
-``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an unset
-``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
+as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unbounded), ``weights``
+(a local file, directory, ``*.index.json``, ``s3://``, ``gs://`` or ``az://`` URI holding the
+safetensors, when they are not in the model's directory), ``distributed`` (load through vLLM's
+tensor-parallel group, default true), ``cache_dir`` and ``cache_max_bytes`` (the node cache in
+front of object storage) and ``metrics`` (record the load in Prometheus, default true: vLLM's
+``/metrics`` shows it). What is not given keeps ``StreamerConfig``'s defaults (its
+``STREAMER_*`` environment variables): an unset ``memory_limit`` is streamer's auto budget, sized
+from the checkpoint and the free memory.
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ from typing import Any
 from streamer.config import UNLIMITED, StreamerConfig
 from streamer.errors import ConfigError, SourceError
 
-KEYS = ("concurrency", "block_size", "memory_limit", "weights", "distributed", "cache_dir", "cache_max_bytes")
+KEYS = (
+    "concurrency",
+    "block_size",
+    "memory_limit",
+    "weights",
+    "distributed",
+    "cache_dir",
+    "cache_max_bytes",
+    "metrics",
+)
+METRICS_DIR_ENV = "STREAMER_VLLM_METRICS_DIR"  # where the engine's processes leave their series
 _CACHE_KEYS = {"cache_dir": "dir", "cache_max_bytes": "max_bytes"}
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -59,8 +72,19 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     distributed = extra.get("distributed", True)
     if not isinstance(distributed, bool):
         raise ConfigError(f"distributed must be true or false, got {distributed!r}")
+    changes["metrics"] = extra.get("metrics", defaults.metrics if "STREAMER_METRICS" in os.environ else True)
     config = dataclasses.replace(defaults, **changes)  # __post_init__ parses every value
-    return LoaderOptions(config=config, weights=weights, distributed=distributed)
+    return LoaderOptions(config=_collected(config), weights=weights, distributed=distributed)
+
+
+def _collected(config: StreamerConfig) -> StreamerConfig:
+    """``config`` writing this process's series where vLLM's server collects them (``register``
+    names the directory), when metrics are on: under vLLM they are unless ``metrics: false`` or
+    ``STREAMER_METRICS`` says otherwise."""
+    directory = os.environ.get(METRICS_DIR_ENV)
+    if not config.metrics or not directory or config.metrics_textfile is not None:
+        return config
+    return dataclasses.replace(config, metrics_textfile=os.path.join(directory, "streamer-{pid}.prom"))
 
 
 REMOTE_SCHEMES = ("s3://", "gs://", "az://", "https://")  # https: Azure Blob's portal URLs

@@ -289,6 +289,31 @@ def test_openai_server(server: tuple[str, Path], model_dir: Path, reference: dic
     assert answer["usage"]["completion_tokens"] == MAX_TOKENS
     assert "Loading weights took" in log_path.read_text()
 
+    # The load happened in the engine's process; the API server's /metrics shows it.
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        scraped = response.read().decode()
+    series = _samples(scraped)
+    tensor_bytes = sum(t.numel() * t.element_size() for shard in model_dir.glob("*.safetensors")
+                       for t in safetensors.torch.load_file(shard).values())  # fmt: skip
+    load = '{device="cpu",scheme="file"}'
+    assert series[f"streamer_loaded_bytes_total{load}"] == tensor_bytes
+    assert series['streamer_loads_total{device="cpu",error="",result="ok",scheme="file"}'] == 1
+    assert series['streamer_load_seconds_count{device="cpu",result="ok",scheme="file"}'] == 1
+    assert series['streamer_read_bytes_total{device="cpu",origin="storage",scheme="file"}'] >= tensor_bytes
+    assert "vllm:" in scraped  # vLLM's own series are still served beside ours
+
+
+def _samples(exposition: str) -> dict[str, float]:
+    """``name{labels}`` -> value of a Prometheus text exposition (labels in sorted order)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            found[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return found
+
 
 @pytest.fixture(scope="module")
 def hub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

@@ -119,7 +119,7 @@ class CacheFeed(ExternalFeed):
         super().__init__(engine, len(objects))
         self._client_of = client
         self._client: S3Client | None = None  # taken at the first fetch
-        self._counted = (0, 0, 0)  # the client's counters then
+        self._counted = (0, 0, 0, 0)  # the client's counters then
         self._connecting = threading.Lock()
         self._config = config
         self._store = store
@@ -128,7 +128,7 @@ class CacheFeed(ExternalFeed):
         self._objects = tuple(objects)
         self._idents = tuple(idents)
         self._tensors = tensors
-        self._store_errors = store.errors
+        self._store_errors, self._store_evictions = store.errors, store.evictions
         self._mutex = threading.Lock()
         self._shared: dict[tuple[int, int], _Fetch] = {}  # shared chunks fetched or being written
         self._locked: set[_Fetch] = set()  # fetches holding their chunk's lock
@@ -206,7 +206,7 @@ class CacheFeed(ExternalFeed):
         with self._connecting:
             if self._client is None:
                 client = self._client_of()
-                self._counted = (client.requests, client.retries, client.bytes_fetched)
+                self._counted = client.counters()
                 client.call(self._start_fetchers(client, self._config.concurrency))
                 self._client = client
             return self._client
@@ -526,7 +526,7 @@ class CacheFeed(ExternalFeed):
 
     def stats(self) -> dict[str, int]:
         client = self._client
-        now = (0, 0, 0) if client is None else (client.requests, client.retries, client.bytes_fetched)
+        now = self._counted if client is None else client.counters()
         with self._mutex:
             counters = dict(self._counters)
         return {
@@ -534,7 +534,9 @@ class CacheFeed(ExternalFeed):
             "requests": now[0] - self._counted[0],
             "retries": now[1] - self._counted[1],
             "bytes_fetched": now[2] - self._counted[2],
+            "throttles": now[3] - self._counted[3],
             "cache_errors": self._store.errors - self._store_errors,
+            "cache_evictions": self._store.evictions - self._store_evictions,
             **counters,
         }
 

@@ -122,6 +122,7 @@ class ChunkStore:
         self._direct = hasattr(os, "O_DIRECT")
         self._warned = False
         self.errors = 0  # chunks that failed their check (deleted, refetched)
+        self.evictions = 0  # chunks deleted to stay within max_bytes
         try:
             access.make(self._root)
         except OSError as error:
@@ -335,6 +336,7 @@ class ChunkStore:
                 break
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+                self.evictions += 1
             used -= size
         self._used = used
 

@@ -39,6 +39,14 @@ from streamer.errors import ObjectSourceError, ObjectStoreError
 
 T = TypeVar("T")
 
+# How stores say "slow down": S3's 503 SlowDown, GCS's 429 rateLimitExceeded, Azure's 503 ServerBusy.
+THROTTLE_STATUS = frozenset({429, 503})
+THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+     "RequestThrottled", "ServerBusy", "rateLimitExceeded", "userRateLimitExceeded"}
+)  # fmt: skip
+COUNTERS = ("requests", "retries", "bytes_fetched", "throttles")
+
 
 class Retry(Exception):
     """One try failed in a way worth another."""
@@ -120,9 +128,14 @@ class ObjectStoreClient(abc.ABC):
         self.requests = 0
         self.retries = 0
         self.bytes_fetched = 0
+        self.throttles = 0  # retries of a try the store refused as throttled
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"streamer-{store}", daemon=True)
         self._thread.start()
+
+    def counters(self) -> tuple[int, int, int, int]:
+        """``COUNTERS`` now: a feed's stats are what they grew by during its run."""
+        return (self.requests, self.retries, self.bytes_fetched, self.throttles)
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Runs ``coroutine`` on the loop and waits for its result (from any other thread)."""
@@ -295,6 +308,8 @@ class ObjectStoreClient(abc.ABC):
                 reason = f"{why}: {failure.reason}"
                 raise self.error(failure, uri, byte_range, attempts, reason=reason, source_errors=False)
             self.retries += 1
+            if failure.status in THROTTLE_STATUS or failure.code in THROTTLE_CODES:
+                self.throttles += 1
             await asyncio.sleep(delay)
 
     async def get_bytes(

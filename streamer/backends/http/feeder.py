@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 
 from streamer.backends.base import ExternalFeed
-from streamer.backends.http.client import Fatal, ObjectStoreClient, cancel_all
+from streamer.backends.http.client import COUNTERS, Fatal, ObjectStoreClient, cancel_all
 from streamer.backends.http.connection import Connection
 from streamer.backends.http.objects import StoredObject
 from streamer.engine import native
@@ -34,7 +34,7 @@ class ObjectFeeder(ExternalFeed):
         super().__init__(engine, len(objects))
         self._client = client
         self._objects = tuple(objects)
-        self._counted = (client.requests, client.retries, client.bytes_fetched)
+        self._counted = client.counters()
         self._queue: asyncio.Queue[native.Block] | None = None
         self._workers: list[asyncio.Task[None]] = []
         self._closed = False
@@ -96,12 +96,8 @@ class ObjectFeeder(ExternalFeed):
 
     def stats(self) -> dict[str, int]:
         client = self._client
-        return {
-            f"{client.store}_files": len(self._objects),
-            "requests": client.requests - self._counted[0],
-            "retries": client.retries - self._counted[1],
-            "bytes_fetched": client.bytes_fetched - self._counted[2],
-        }
+        grown = zip(COUNTERS, client.counters(), self._counted, strict=True)
+        return {f"{client.store}_files": len(self._objects), **{key: now - then for key, now, then in grown}}
 
     def close(self) -> None:
         """Cancels every worker and waits until they are gone. Idempotent."""
