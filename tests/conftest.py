@@ -167,9 +167,10 @@ def bench(
 
 
 def bench_report(out: Path, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """A successful ``bench`` run writing ``out/result.json`` and ``out/result.png``: the process
-    (``proc``), the parsed JSON (``json``) and ``out``."""
-    proc = bench(*args, "--json", str(out / "result.json"), "--plot", str(out / "result.png"), env=env)
+    """A successful ``bench`` run writing ``out/result.json``, ``out/result.png`` and
+    ``out/result.prom``: the process (``proc``), the parsed JSON (``json``) and ``out``."""
+    files = ("--json", str(out / "result.json"), "--plot", str(out / "result.png"))
+    proc = bench(*args, *files, "--prometheus-textfile", str(out / "result.prom"), env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return {"proc": proc, "json": json.loads((out / "result.json").read_text()), "out": out}
 

@@ -112,6 +112,26 @@ def test_plot_is_a_png(run: dict[str, Any]) -> None:
     assert path.stat().st_size > 10_000
 
 
+def test_the_prometheus_textfile_holds_every_result(run: dict[str, Any]) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families((run["out"] / "result.prom").read_text())
+        for sample in family.samples
+    }
+    for section in run["json"]["sections"]:
+        for result in section["results"]:
+            cache, loader, setting = section["cache"], result["loader"], result["setting"]
+            labels = (("cache", cache), ("loader", loader), ("setting", setting))
+            assert samples[("streamer_bench_seconds", labels)] == pytest.approx(result["median_s"])
+            assert samples[("streamer_bench_gbps", labels)] == pytest.approx(result["gbps"])
+        for ceiling in section["ceilings"]:
+            key = ("streamer_bench_ceiling_gbps", (("cache", section["cache"]), ("name", ceiling["name"])))
+            assert samples[key] == pytest.approx(ceiling["gbps"])
+    assert samples[("streamer_bench_timestamp_seconds", ())] > 1.7e9
+
+
 def test_missing_peer_is_skipped(run: dict[str, Any]) -> None:
     skipped = {s["loader"]: s for s in run["json"]["skipped"]}
     assert "not installed" in skipped["fastsafetensors"]["reason"]

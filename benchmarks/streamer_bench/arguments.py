@@ -220,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plot", metavar="FILE.png", type=Path, help="bar chart with whiskers and ceilings (matplotlib)"
     )
+    p.add_argument(
+        "--prometheus-textfile",
+        metavar="FILE.prom",
+        type=Path,
+        help="write the results as Prometheus gauges for the node exporter's textfile collector",
+    )
     p.add_argument("--no-ceilings", dest="ceilings", action="store_false", help="skip the reference ceilings")
     p.add_argument(
         "--no-fio",

@@ -410,6 +410,11 @@ def _bench(args: argparse.Namespace, argv: Sequence[str] | None, progress: Progr
 
         plot(doc, args.plot)
         progress(f"wrote {args.plot}")
+    if args.prometheus_textfile is not None:
+        from streamer_bench import textfile
+
+        textfile.write(doc, args.prometheus_textfile)
+        progress(f"wrote {args.prometheus_textfile}")
     if stopped is not None:
         return stopped.exit_status
     measured = any(r["status"] == "ok" for sec in sections for r in sec["results"])
