@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -276,3 +277,46 @@ def run_python(code: str, **env: str) -> str:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
+
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "streamer-loads.json"
+
+
+def exposed() -> dict[str, set[str]]:
+    """Every sample name the collectors expose, with the labels it carries."""
+    names: dict[str, set[str]] = {}
+    for series in SERIES:
+        if series.buckets is None:
+            names[f"{series.name}_total"] = set(series.labels)
+        else:
+            names[f"{series.name}_bucket"] = {*series.labels, "le"}
+            names[f"{series.name}_sum"] = names[f"{series.name}_count"] = set(series.labels)
+    return names
+
+
+def test_every_dashboard_query_names_a_series_the_exporter_emits() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = exposed()
+    queries = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert len(queries) >= 10
+    for query in queries:
+        used = re.findall(r"\b(streamer_[a-z0-9_]+)(\{[^}]*\})?", query)
+        assert used, query
+        for name, matchers in used:
+            assert name in names, f"{name} is not exported: {query}"
+            labels = set(re.findall(r"(\w+)\s*=~?", matchers))
+            assert labels <= names[name], f"{name} has no label {labels - names[name]}: {query}"
+        for grouped in re.findall(r"by \(([^)]*)\)", query):
+            wanted = {label.strip() for label in grouped.split(",")} - {"$by"}
+            assert all(wanted <= names[name] for name, _ in used), query
+    # Importable as it is: every panel on the grid, ids unique, the datasource a variable.
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "by"} <= variables
+    for panel in dashboard["panels"]:
+        grid = panel["gridPos"]
+        assert panel["datasource"]["uid"] == "${datasource}" and grid["x"] + grid["w"] <= 24
+    titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
+    for topic in ("cold-start seconds", "gb/s", "hit ratio", "retries", "throttling", "error"):
+        assert topic in titles, topic
