@@ -11,7 +11,12 @@ not, is ``BLOCKS`` below: a block added to the README must be added there, or th
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ BLOCKS = {
     'tensors = streamer.load("s3://bucket/llama/model.safetensors")': "s3",
     'tensors = streamer.load("gs://bucket/llama/")': "gcs",
     "config = streamer.StreamerConfig(azure=": "azure",
+    "import logging\n\nimport streamer\nimport streamer.metrics": "metrics",
 }
 
 
@@ -187,3 +193,25 @@ def test_the_azure_block_runs_against_a_local_emulator(llama: tuple[Path, dict[s
     finally:
         server.close()
     _assert_loaded(namespace, tensors)
+
+
+def test_the_metrics_block_serves_the_load(llama: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    """Run in a process of its own: it configures logging and leaves an exporter thread behind."""
+    pytest.importorskip("prometheus_client")
+    directory, tensors = llama
+    (block,) = [b for b in _blocks() if _kind(b) == "metrics"]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = block.replace(CHECKPOINT, f"{directory}/").replace("serve(9400)", f"serve({port}, '127.0.0.1')")
+    code += textwrap.dedent(f"""
+        import urllib.request
+        with urllib.request.urlopen("http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            print(response.read().decode())
+        """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMER_")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert f'streamer_loaded_bytes_total{{device="cpu",scheme="file"}} {float(nbytes)}' in done.stdout
+    assert "INFO:streamer:streamer: loaded" in done.stderr  # the one event, through basicConfig
