@@ -320,3 +320,33 @@ def test_every_dashboard_query_names_a_series_the_exporter_emits() -> None:
     titles = " ".join(panel["title"] for panel in dashboard["panels"]).lower()
     for topic in ("cold-start seconds", "gb/s", "hit ratio", "retries", "throttling", "error"):
         assert topic in titles, topic
+
+
+def test_a_record_sums_every_read_of_a_load_and_the_collectors_split_bytes_by_origin() -> None:
+    """Two reads of one handle (a group rank's, through the node cache) make one event: sums,
+    the first tensor from the open, and every origin of the bytes."""
+    record = LoadRecord("s3://models/llama/?X-Amz-Signature=SECRET", "cpu")
+    base = {"files": 2, "tensors": 3, "bytes": 600, "bytes_read": 400, "requests": 5, "retries": 2,
+            "throttles": 1, "cache_hit_bytes": 100, "cache_miss_bytes": 250, "cache_write_bytes": 250,
+            "cache_errors": 1, "cache_dropped": 0, "cache_evictions": 3, "consumer_wait_s": 0.5,
+            "memory_wait_s": 0.2, "time_to_first_tensor_s": 0.1,
+            "group": {"received_bytes": 200}}  # fmt: skip
+    record.add(base)
+    record.add({**base, "time_to_first_tensor_s": 0.05})
+    event = record.event()
+    assert event is not None and record.event() is None  # reported once
+    assert (event.source, event.scheme) == ("s3://models/llama/", "s3")
+    assert (event.bytes, event.bytes_read, event.tensors, event.files) == (1200, 800, 6, 2)
+    assert (event.requests, event.retries, event.throttles, event.cache_evictions) == (10, 4, 2, 6)
+    assert event.group_received_bytes == 400 and event.cache_checksum_failures == 2
+    assert event.storage_wait_s == pytest.approx(0.6) and event.consumer_stall_s == pytest.approx(0.4)
+    s3 = {"scheme": "s3", "device": "cpu"}
+    before = {o: value("streamer_read_bytes_total", {**s3, "origin": o}) for o in
+              ("storage", "cache_hit", "cache_miss", "group")}  # fmt: skip
+    throttled = value("streamer_throttles_total", {"scheme": "s3"})
+    from streamer.observe import prometheus
+
+    prometheus.record(event)
+    grown = {o: value("streamer_read_bytes_total", {**s3, "origin": o}) - before[o] for o in before}
+    assert grown == {"storage": 100, "cache_hit": 200, "cache_miss": 500, "group": 400}
+    assert value("streamer_throttles_total", {"scheme": "s3"}) - throttled == 2
