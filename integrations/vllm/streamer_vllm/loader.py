@@ -17,7 +17,8 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Generator, Iterator
 from typing import Any, cast
 
 import torch
@@ -41,6 +42,10 @@ Metrics = list[tuple[str, dict[str, Any]]]  # per checkpoint read: where from, s
 
 # Under ``vllm.`` so that vLLM's own logging configuration (handler, format, level) applies.
 logger = logging.getLogger("vllm.plugins.streamer")
+
+# Where each model of this process was first loaded from: a reload (a fresh loader each time)
+# whose model config points elsewhere was given a ``weights_path``.
+_first_location: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships no type information
@@ -67,14 +72,19 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
 
     def _source(self, model_config: ModelConfig, model: nn.Module | None = None) -> SourceLike:
         """What streamer reads: ``weights``, else the model's directory or S3 URI, else the model id
-        fetched from the Hugging Face hub (or its cache) as the default loader fetches it."""
+        fetched from the Hugging Face hub (or its cache) as the default loader fetches it. A
+        reload from elsewhere (``weights_path``) reads where the model config now points: the
+        ``weights`` option named the first load's files."""
         location = getattr(model_config, "model_weights", "") or model_config.model
+        options = self.options
+        if model is not None and _first_location.get(model, model_config.model) != model_config.model:
+            options = dataclasses.replace(options, weights=None)
         local = os.path.exists(os.path.expanduser(location))
-        if self.options.weights is not None or is_remote(location) or local:
-            return weights_source(self.options, location)
+        if options.weights is not None or is_remote(location) or local:
+            return weights_source(options, location)
         overrides = getattr(model, "allow_patterns_overrides", None)
         fetched = fetch_from_hub(location, model_config.revision, self.load_config, overrides)
-        return fetched if isinstance(fetched, list) else weights_source(self.options, fetched)
+        return fetched if isinstance(fetched, list) else weights_source(options, fetched)
 
     def download_model(self, model_config: ModelConfig) -> None:
         """Downloads a model id's safetensors; checks that local weights are where they are said to be."""
@@ -132,21 +142,38 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
                 logger.info("Secondary weights %r: not safetensors, vLLM's loader reads them", extra.source)
                 yield from delegated_weights(extra)
 
+    def get_all_weights(
+        self, model_config: ModelConfig, model: nn.Module
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """Every tensor, streamed as at the first load: what vLLM's in-place reload reads
+        (``collective_rpc("reload_weights", ...)``, as RL loops do every few minutes), from the
+        model's location or the ``weights_path`` the reload gave (local, ``s3://``, a hub id)."""
+        device = target_device(model)
+        metrics: Metrics = []
+        started = time.perf_counter()
+        yield from self.all_weights(model, model_config, device, metrics)
+        self._log("Reading weights for a reload took", time.perf_counter() - started, device, metrics)
+
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         device = target_device(model)
         metrics: Metrics = []
         started = time.perf_counter()
         # vLLM models define load_weights(Iterable[(name, tensor)]) -> set of loaded parameter names
         loaded = cast(Any, model).load_weights(self.all_weights(model, model_config, device, metrics))
-        seconds = time.perf_counter() - started
+        _first_location.setdefault(model, model_config.model)
+        self._log("Loading weights took", time.perf_counter() - started, device, metrics)
+        check_all_loaded(model, loaded, quantized=model_config.quantization is not None)
+
+    @staticmethod
+    def _log(what: str, seconds: float, device: str, metrics: Metrics) -> None:
         nbytes = sum(int(m.get("bytes", 0)) for _, m in metrics)
         nread = sum(int(m.get("bytes_read", 0)) for _, m in metrics)  # a group's rank reads its share
         first = metrics[0][1] if metrics else {}
         why = first.get("memory_limit_source")  # CPU streaming only; a GPU load goes through the ring
         budget = f", memory_limit {first.get('memory_limit')} ({why})" if why else ""
         logger.info(
-            "Loading weights took %.2f seconds "
-            "(streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
+            "%s %.2f seconds (streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
+            what,
             seconds,
             nbytes,
             nread,
@@ -155,4 +182,3 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             nbytes / seconds / 1e9 if seconds > 0 else 0.0,
             budget,
         )
-        check_all_loaded(model, loaded, quantized=model_config.quantization is not None)

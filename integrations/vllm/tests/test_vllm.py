@@ -64,9 +64,12 @@ def run_llm(
     multiprocess: bool = False,
     env: dict[str, str] | None = None,
     overrides: dict[str, Any] | None = None,
+    reloads: list[str | None] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``overrides``: ``LLM`` arguments beside run_llm.py's defaults (revision, TP size...)."""
-    arguments = (str(model), load_format, json.dumps(extra or {}), json.dumps(overrides or {}))
+    """``overrides``: ``LLM`` arguments beside run_llm.py's defaults (revision, TP size...);
+    ``reloads``: in-place reloads after the first generation (run_llm.py)."""
+    settings = (json.dumps(extra or {}), json.dumps(overrides or {}), json.dumps(reloads or []))
+    arguments = (str(model), load_format, *settings)
     args = [sys.executable, str(RUN_LLM), *arguments]
     return subprocess.run(
         args,
@@ -188,6 +191,48 @@ def test_weights_from_s3(model_dir: Path, scratch: Path, reference: dict[str, An
         assert "from s3://models/tiny/" in proc.stderr + proc.stdout
     finally:
         server.stop()
+
+
+def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
+    model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """vLLM's in-place reload (what RL loops call between training steps) with load format
+    streamer: the same weights give the same tokens; another checkpoint, from a directory or
+    from ``s3://``, gives the tokens of an engine started on it; ten reloads in a row leave memory,
+    threads and descriptors flat."""
+    boto3 = pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    perturbed = tiny_model.build(tmp_path / "perturbed", seed=1)
+    expected = result_of(run_llm(perturbed, "safetensors", None, scratch))
+    assert expected["token_ids"] != reference["token_ids"]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}  # fmt: skip
+        s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")  # fmt: skip
+        s3.create_bucket(Bucket="models")
+        s3.upload_file(str(perturbed / "model.safetensors"), "models", "perturbed/model.safetensors")
+        reloads: list[str | None] = [None, str(perturbed), str(model_dir), "s3://models/perturbed/"]
+        reloads += [str(model_dir)] + [None] * 9
+        proc = run_llm(model_dir, "streamer", None, scratch, env=env, reloads=reloads)
+        result = result_of(proc)
+    finally:
+        server.stop()
+    assert result["token_ids"] == reference["token_ids"]
+    tokens = [r["token_ids"] for r in result["reloads"]]
+    assert tokens[:5] == [reference["token_ids"], expected["token_ids"], reference["token_ids"],
+                          expected["token_ids"], reference["token_ids"]]  # fmt: skip
+    assert all(t == reference["token_ids"] for t in tokens[5:])
+    log = proc.stderr + proc.stdout
+    assert log.count("Reading weights for a reload took") == len(reloads)
+    assert "from s3://models/perturbed/" in log
+    steady = result["reloads"][5:]  # the same reload, ten times
+    assert max(r["threads"] for r in steady) == min(r["threads"] for r in steady)
+    assert max(r["fds"] for r in steady) == min(r["fds"] for r in steady)
+    assert max(r["rss"] for r in steady) - steady[0]["rss"] < 16 << 20, [r["rss"] for r in steady]
 
 
 def test_bad_extra_config_key(model_dir: Path, scratch: Path) -> None:
