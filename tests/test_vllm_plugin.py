@@ -19,7 +19,8 @@ from streamer.errors import ConfigError, SourceError
 streamer_vllm = pytest.importorskip("streamer_vllm", reason="the plugin (integrations/vllm) is not installed")
 from streamer_vllm.checks import check_all_loaded, target_device  # noqa: E402
 from streamer_vllm.load_settings import HONOURED, REFUSED, check_load_config  # noqa: E402
-from streamer_vllm.options import KEYS, parse_options, weights_source  # noqa: E402
+from streamer_vllm.options import KEYS, METRICS_DIR_ENV, parse_options, weights_source  # noqa: E402
+from streamer_vllm.presharded import is_presharded  # noqa: E402
 
 
 def test_no_keys_keeps_streamer_defaults_and_its_auto_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,3 +185,31 @@ def test_a_field_of_a_newer_vllm_is_reported_when_set() -> None:
     newer = LOAD_CONFIG_DEFAULTS | {"shiny_new_knob": 1, "quiet_new_knob": 0}
     defaults = LOAD_CONFIG_DEFAULTS | {"shiny_new_knob": 0, "quiet_new_knob": 0}
     assert check_load_config(newer, defaults) == ["shiny_new_knob"]
+
+
+def test_metrics_are_on_under_vllm_unless_turned_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("STREAMER_METRICS", raising=False)
+    monkeypatch.delenv(METRICS_DIR_ENV, raising=False)
+    assert parse_options({}).config.metrics is True
+    assert parse_options({"metrics": False}).config.metrics is False
+    assert parse_options({"metrics": "off"}).config.metrics is False  # the config's own parser
+    with pytest.raises(ConfigError, match="metrics"):
+        parse_options({"metrics": "sometimes"})
+    monkeypatch.setenv("STREAMER_METRICS", "0")  # the variable, when set, decides
+    assert parse_options({}).config.metrics is False
+    monkeypatch.delenv("STREAMER_METRICS")
+    assert parse_options({}).config.metrics_textfile is None  # no server collects: no textfile
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))  # a server's process started this one
+    assert parse_options({}).config.metrics_textfile == str(tmp_path / "streamer-{pid}.prom")
+    assert parse_options({"metrics": False}).config.metrics_textfile is None
+
+
+def test_presharded_files_are_known_by_their_names() -> None:
+    tp = [f"/m/model-rank-{r}-part-{p}.safetensors" for r in (0, 1) for p in (0, 1)]
+    pp = ["s3://b/m/model-pp-0-tp-1-part-0.safetensors", "s3://b/m/model-pp-1-tp-0-part-0.safetensors"]
+    assert is_presharded(tp) and is_presharded(pp)
+    assert not is_presharded([*tp, "/m/model.safetensors"])  # one ordinary file: an ordinary checkpoint
+    assert not is_presharded(["/m/model-00001-of-00002.safetensors"]) and not is_presharded([])
+    assert parse_options({"presharded": True}).presharded and not parse_options({}).presharded
+    with pytest.raises(ConfigError, match="presharded"):
+        parse_options({"presharded": "yes"})

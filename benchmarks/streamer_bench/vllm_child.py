@@ -1,7 +1,8 @@
 """One timed vLLM cold start, run by ``streamer-bench vllm`` with the Python that has vLLM.
 
 ``python -m streamer_bench.vllm_child REQUEST_JSON``: builds ``vllm.LLM`` with the requested load
-format (engine ready), generates one token greedily (first token), and prints
+format (engine ready), generates one token greedily (first token), times ``reloads`` in-place
+reloads of the same weights (vLLM's ``reload_weights``) if asked, and prints
 ``VLLM_RESULT {json}`` with wall-clock times (``time.time()``), so the parent can measure from
 the moment it started this process.
 """
@@ -70,10 +71,16 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     outputs = llm.generate([request["prompt"]], params, use_tqdm=False)
     first = time.time()
+    reload_seconds = []
+    for _ in range(request.get("reloads", 0)):  # vLLM's in-place reload of the same weights
+        started = time.perf_counter()
+        llm.collective_rpc("reload_weights")
+        reload_seconds.append(time.perf_counter() - started)
     return {
         "imported": imported,
         "ready": ready,
         "first_token": first,
+        "reload_seconds": reload_seconds,
         "token_ids": list(outputs[0].outputs[0].token_ids),
         "gpu_memory_utilization": fraction,
         "kv_cache_bytes": request.get("kv_cache_bytes"),

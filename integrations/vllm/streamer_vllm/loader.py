@@ -19,6 +19,7 @@ import os
 import time
 import weakref
 from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -31,6 +32,7 @@ from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 import streamer
 from streamer.backends.sources import SourceLike
 from streamer.observe.progress import ByteProgress
+from streamer_vllm import presharded
 from streamer_vllm.checks import check_all_loaded, target_device
 from streamer_vllm.distributed import loading_group
 from streamer_vllm.hub import fetch_from_hub
@@ -112,7 +114,7 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
 
     def _open(self, source: StreamedSource, device: str) -> streamer.Streamer:
         """``source`` opened, less the shards holding only weights the model never loads."""
-        group = loading_group(self.options.distributed, device)
+        group = loading_group(self.options.distributed and source.shared, device)
         handle = streamer.open(source.source, device=device, config=self.options.config, group=group)
         if source.is_unused is None:
             return handle
@@ -158,11 +160,45 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         device = target_device(model)
         metrics: Metrics = []
         started = time.perf_counter()
-        # vLLM models define load_weights(Iterable[(name, tensor)]) -> set of loaded parameter names
-        loaded = cast(Any, model).load_weights(self.all_weights(model, model_config, device, metrics))
+        own = self._rank_files(model_config, model)
+        if own is not None:  # already in the model's layout: copied into its parameters as they are
+            tensors = self.iterate_weights(StreamedSource(own, shared=False), device, metrics)
+            presharded.copy_into(model, tensors, os.path.dirname(own[0]))
+        else:
+            # vLLM models define load_weights(Iterable[(name, tensor)]) -> the loaded parameter names
+            loaded = cast(Any, model).load_weights(self.all_weights(model, model_config, device, metrics))
         _first_location.setdefault(model, model_config.model)
         self._log("Loading weights took", time.perf_counter() - started, device, metrics)
-        check_all_loaded(model, loaded, quantized=model_config.quantization is not None)
+        if own is None:
+            check_all_loaded(model, loaded, quantized=model_config.quantization is not None)
+
+    def _rank_files(self, model_config: ModelConfig, model: nn.Module) -> list[str] | None:
+        """This rank's files, when the weights are a pre-sharded checkpoint (``presharded``): a
+        local directory of such files is one; a remote one when ``presharded`` says so (finding
+        out would cost every remote load a listing). A hub id is not."""
+        location = getattr(model_config, "model_weights", "") or model_config.model
+        if self.options.weights is None and not is_remote(location) and not os.path.isdir(location):
+            return None
+        source = self._source(model_config, model)
+        if not isinstance(source, str):
+            return None
+        if is_remote(source):
+            if not self.options.presharded:
+                return None
+            with streamer.open(source, config=self.options.config) as handle:
+                files = list(handle.files)
+        elif os.path.isdir(source):
+            files = sorted(str(path) for path in Path(source).glob("*.safetensors"))
+        else:
+            return None
+        if not presharded.is_presharded(files):
+            if self.options.presharded:
+                expected = " or ".join(presharded.PATTERNS)
+                raise streamer.SourceError(
+                    f"presharded is set, but the files are not named {expected}", path=source
+                )
+            return None
+        return presharded.rank_files(files)
 
     @staticmethod
     def _log(what: str, seconds: float, device: str, metrics: Metrics) -> None:

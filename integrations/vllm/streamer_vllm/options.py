@@ -5,10 +5,11 @@ as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unboun
 (a local file, directory, ``*.index.json``, ``s3://``, ``gs://`` or ``az://`` URI holding the
 safetensors, when they are not in the model's directory), ``distributed`` (load through vLLM's
 tensor-parallel group, default true), ``cache_dir`` and ``cache_max_bytes`` (the node cache in
-front of object storage) and ``metrics`` (record the load in Prometheus, default true: vLLM's
-``/metrics`` shows it). What is not given keeps ``StreamerConfig``'s defaults (its
-``STREAMER_*`` environment variables): an unset ``memory_limit`` is streamer's auto budget, sized
-from the checkpoint and the free memory.
+front of object storage), ``metrics`` (record the load in Prometheus, default true: vLLM's
+``/metrics`` shows it) and ``presharded`` (remote weights are each rank's own files, as vLLM's
+``sharded_state`` writes them; a local directory of such files is found without it). What is
+not given keeps ``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an
+unset ``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ KEYS = (
     "cache_dir",
     "cache_max_bytes",
     "metrics",
+    "presharded",
 )
 METRICS_DIR_ENV = "STREAMER_VLLM_METRICS_DIR"  # where the engine's processes leave their series
 _CACHE_KEYS = {"cache_dir": "dir", "cache_max_bytes": "max_bytes"}
@@ -45,6 +47,7 @@ class LoaderOptions:
     config: StreamerConfig
     weights: str | None = None
     distributed: bool = True  # load through vLLM's TP group when there is one
+    presharded: bool = False  # the weights are each rank's own files (found for local directories)
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
@@ -72,9 +75,14 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     distributed = extra.get("distributed", True)
     if not isinstance(distributed, bool):
         raise ConfigError(f"distributed must be true or false, got {distributed!r}")
+    presharded = extra.get("presharded", False)
+    if not isinstance(presharded, bool):
+        raise ConfigError(f"presharded must be true or false, got {presharded!r}")
     changes["metrics"] = extra.get("metrics", defaults.metrics if "STREAMER_METRICS" in os.environ else True)
     config = dataclasses.replace(defaults, **changes)  # __post_init__ parses every value
-    return LoaderOptions(config=_collected(config), weights=weights, distributed=distributed)
+    return LoaderOptions(
+        config=_collected(config), weights=weights, distributed=distributed, presharded=presharded
+    )
 
 
 def _collected(config: StreamerConfig) -> StreamerConfig:

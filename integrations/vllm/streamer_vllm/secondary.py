@@ -34,6 +34,7 @@ class StreamedSource:
     source: SourceLike
     prefix: str = ""
     is_unused: UnusedFilter | None = None
+    shared: bool = True  # every rank reads these same files, so a group load may split them
 
 
 @dataclass(frozen=True)

