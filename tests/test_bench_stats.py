@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import pytest
 
-from streamer_bench import report, stats
+from streamer_bench import report, runner, stats
 from streamer_bench.ceilings import Ceiling
 from streamer_bench.loaders import INTO_SETTING, Setting, settings_for
 from streamer_bench.runner import Config, Run
@@ -194,3 +194,24 @@ def test_a_ceiling_streamer_beat_is_not_named_as_its_bound() -> None:
     everything = report._binding_ceiling(report.section("warm", configs, []), memory[:1])
     assert everything is not None and everything["name"] is None
     assert report._binding_line("warm", everything).startswith("-- warm: above every measured ceiling")
+
+
+def test_a_peer_setting_far_from_its_loaders_best_stops_after_the_first_rounds() -> None:
+    """runai default at 1.5x runai's best after two rounds stops; a setting within 1.4x, streamer's
+    own settings and a loader's only setting go on; the report says which stopped and why."""
+    configs = [
+        _config("streamer", (), [1.0, 1.0]),
+        _config("streamer", (("hugepages", "0"),), [3.0, 3.0]),  # streamer's own: never pruned
+        _config("runai", (), [3.0, 3.0]),
+        _config("runai", (("strategy", "sync_buffered"),), [2.0, 2.0]),
+        _config("safetensors", (), [1.3, 1.3]),
+        _config("safetensors", (("backend", "pread"),), [1.6, 1.6]),  # 1.23x: close enough, runs on
+    ]
+    dropped = runner.prune(configs, 2)
+    assert [(c.setting.loader, c.setting.label) for c in dropped] == [("runai", "default")]
+    assert configs[2].pruned is not None and "1.50x" in configs[2].pruned
+    section = report.section("cold", configs, [])
+    best = {r["loader"]: r["setting"] for r in section["best"]}
+    assert best["runai"] == "strategy=sync_buffered"
+    pruned = {r["setting"]: r["pruned"] for r in section["results"] if r["loader"] == "runai"}
+    assert pruned["default"] and pruned["strategy=sync_buffered"] is None

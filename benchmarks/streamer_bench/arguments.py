@@ -26,6 +26,10 @@ DEFAULT_SYNTHETIC = "1GiB"
 # Paired per-round ratios on these VMs spread ~15% around their median: 10 rounds bound the
 # median's 95% interval to about ±10%, enough to call a 15-20% lead (see benchmarks/streamer_bench/stats.py).
 DEFAULT_REPEAT = 10
+# Rounds before a peer's slow settings stop (runner.prune): in the main job's runs on this VM the
+# settings it drops (safetensors' pread, Run:ai's default strategy) were 1.5-2.6x their loader's
+# best from the first round on, while a loader's settings within 1.4x of each other swap places.
+PRUNE_AFTER = 2
 SWEEPABLE = ("concurrency",)
 
 
@@ -215,6 +219,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time streamer as PYTHON has it installed (e.g. a venv of the previous commit, "
         "`.../bin/python`), as loader 'baseline' at its default, paired by round like a peer: "
         "an A/B of two versions in one run",
+    )
+    p.add_argument(
+        "--prune-after",
+        type=positive_int,
+        default=PRUNE_AFTER,
+        metavar="N",
+        help=f"after N rounds (default {PRUNE_AFTER}), stop running a peer's settings that are over "
+        f"{runner.PRUNE_MARGIN:g}x slower than its best (the verdicts compare each peer at its best)",
+    )
+    p.add_argument(
+        "--no-prune",
+        dest="prune_after",
+        action="store_const",
+        const=None,
+        help="run every setting every round",
     )
     p.add_argument("--json", metavar="FILE", type=Path, help="write every run and fact (schema.json) to FILE")
     p.add_argument(

@@ -245,6 +245,7 @@ def run_sections(
                 settle=args.settle,
                 min_rounds=args.min_rounds,
                 decided=functools.partial(report.decided, state, configs),
+                prune_after=args.prune_after,
             )
             if args.ceilings and state == "remote":
                 found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])

@@ -57,6 +57,7 @@ def summarize(config: Config) -> dict[str, Any]:
         "minor_faults": median_faults,
         "faults_per_gib": median_faults / (nbytes / GIB) if median_faults is not None and nbytes else None,
         "cpu_s": statistics.median(cpu) if cpu else None,
+        "pruned": config.pruned,
         "runs": [_run_json(r) for r in config.runs],
     }
 
@@ -76,10 +77,11 @@ INTO_TOUCHED = INTO_SETTING.label  # streamer's load_into of touched tensors: th
 
 def _best_results(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each loader's result at its setting with the lowest median, in first-seen loader order
-    (streamer's ``into=touched`` row is not a whole load: it never counts as a best)."""
+    (streamer's ``into=touched`` row is not a whole load, and a pruned setting stopped early: neither
+    counts as a best)."""
     best: dict[str, dict[str, Any]] = {}
     for r in results:
-        if r["median_s"] is None or r["setting"] == INTO_TOUCHED:
+        if r["median_s"] is None or r["setting"] == INTO_TOUCHED or r.get("pruned"):
             continue
         current = best.get(r["loader"])
         if current is None or r["median_s"] < current["median_s"]:
@@ -326,6 +328,9 @@ def render(document: dict[str, Any]) -> str:
         bound = _binding_ceiling(sec, document["memory_ceilings"])
         if bound is not None:
             out.append(_binding_line(sec["cache"], bound))
+        for r in sec["results"]:
+            if r.get("pruned"):
+                out.append(f"-- {sec['cache']}: {r['loader']} {r['setting']}: {r['pruned']}")
         if sec.get("stopped"):
             out.append(f"-- {sec['cache']}: stopped: {sec['stopped']}")
         if sec["ceilings"]:

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -155,6 +156,7 @@ class Config:
     files: list[str]
     source: str
     runs: list[Run] = field(default_factory=list)
+    pruned: str | None = None  # why it stopped running before the state ended (``prune``)
 
     @property
     def paths(self) -> list[Path]:
@@ -198,6 +200,36 @@ def _check_start(run: Run, state: str, config: Config) -> None:
         run.valid, run.error = False, f"not warm at the start of the clock: {file_bytes - seen} bytes missing"
 
 
+PRUNE_MARGIN = 1.4  # a peer setting this much slower than its loader's best is not its best
+
+
+def prune(configs: Sequence[Config], rounds: int) -> list[Config]:
+    """Marks (``Config.pruned``) and returns the peer settings whose median after ``rounds``
+    rounds is over ``PRUNE_MARGIN`` times the best of their loader's other settings: they would
+    not be the loader's best, and the verdicts compare each peer at its best. streamer's settings
+    and a loader's only setting always run."""
+    medians: dict[int, float] = {}
+    for config in configs:
+        seconds = [run.seconds for run in config.runs if run.valid and run.seconds is not None]
+        if seconds:
+            medians[id(config)] = statistics.median(seconds)
+    dropped = []
+    for config in configs:
+        loader = config.setting.loader
+        others = [medians[id(c)] for c in configs if c.setting.loader == loader and c is not config
+                  and id(c) in medians]  # fmt: skip
+        mine = medians.get(id(config))
+        if loader in ("streamer", "baseline") or mine is None or not others:
+            continue
+        if mine > PRUNE_MARGIN * min(others):
+            config.pruned = (
+                f"not run after round {rounds}: {mine / min(others):.2f}x its loader's best so far "
+                "(--no-prune runs every setting every round)"
+            )
+            dropped.append(config)
+    return dropped
+
+
 def round_order(configs: Sequence[T], round_index: int) -> list[T]:
     """Round 0 as given (the first figures come in the order the table lists); later rounds
     shuffled (a fixed rotation would put each setting after the same one every round)."""
@@ -220,6 +252,7 @@ def run_section(
     settle: float = 0.0,
     min_rounds: int | None = None,
     decided: Callable[[], bool] | None = None,
+    prune_after: int | None = None,
 ) -> str:
     """Up to ``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
     the given order, each later one shuffled (seeded, so reproducible). A run pays for the memory
@@ -230,13 +263,17 @@ def run_section(
     process) says which of the child's two times is the run's ``seconds``; both are kept.
 
     Adaptive: after ``min_rounds`` rounds (and each round after), the state ends as soon as
-    ``decided()`` says every verdict is decided. Returns why the state ended, for the report."""
+    ``decided()`` says every verdict is decided; after ``prune_after`` rounds, the peer settings
+    far from their loader's best stop running (``prune``). Returns why the state ended."""
     total = repeat * len(configs)
     n = 0
     for r in range(repeat):
         if decided is not None and min_rounds is not None and min_rounds <= r and decided():
             return f"every verdict decided after {r} rounds (at least {min_rounds}, at most {repeat})"
-        for config in round_order(configs, r):
+        if r == prune_after:
+            for config in prune(configs, r):
+                progress(f"[{state}] {config.setting.loader} {config.setting.label}: {config.pruned}")
+        for config in round_order([c for c in configs if c.pruned is None], r):
             n += 1
             label = f"{config.setting.loader} {config.setting.label}"
             resident, problem = _prepare(config, state)
