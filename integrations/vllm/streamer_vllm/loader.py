@@ -207,6 +207,10 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         first = metrics[0][1] if metrics else {}
         why = first.get("memory_limit_source")  # CPU streaming only; a GPU load goes through the ring
         budget = f", memory_limit {first.get('memory_limit')} ({why})" if why else ""
+        received = sum(int((m.get("group") or {}).get("received_bytes", 0)) for _, m in metrics)
+        hits = sum(int(m.get("cache_hit_bytes", 0)) for _, m in metrics)
+        budget += f", {received} from the other ranks" if received else ""
+        budget += f", {hits} from the node cache" if hits else ""
         logger.info(
             "%s %.2f seconds (streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
             what,
