@@ -3,7 +3,8 @@
 Every request is forwarded to the upstream S3 server (moto) unchanged (so SigV4 still verifies);
 a request that matches a queued fault gets that fault instead of (or on top of) the real answer:
 
-- ``503`` / ``429`` / ``500``: an S3 XML error (SlowDown, TooManyRequests, InternalError);
+- ``503`` / ``429`` / ``500``: an S3 XML error (SlowDown, TooManyRequests, InternalError); ``503+N``
+  the same with ``Retry-After: N``;
 - ``401`` / ``403`` / ``404``: Unauthorized / AccessDenied / NoSuchKey;
 - ``reset``: the real status line, headers and part of the body, then a TCP reset;
 - ``short``: the real headers (full Content-Length) and part of the body, then a clean close;
@@ -179,14 +180,16 @@ class FaultProxy:
             path = parts.path + (f"?{parts.query}" if parts.query else "")
         body = reader.read(int(lower.get("content-length", "0") or 0))
         fault = self._take(method, path, lower)
+        fault, _, wait = (fault or "").partition("+")
         if fault in _ERRORS:
             status, reason, code, message = _ERRORS[fault]
             xml = (
                 f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                 f"<Message>{message}</Message></Error>"
             ).encode()
+            asked = f"Retry-After: {wait}\r\n" if wait else ""
             client.sendall(
-                f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
+                f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n{asked}"
                 f"Content-Length: {len(xml)}\r\nConnection: close\r\n\r\n".encode()
                 + xml
             )
@@ -211,7 +214,7 @@ class FaultProxy:
             upstream.close()
         head = status_line + "".join(f"{k}: {v}\r\n" for k, v in out_headers)
         head += f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-        if fault is None or len(payload) < 2:
+        if not fault or len(payload) < 2:
             client.sendall(head.encode("latin-1") + payload)
             return
         client.sendall(head.encode("latin-1") + payload[: len(payload) // 2])

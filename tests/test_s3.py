@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import gc
 import json
 import logging
@@ -687,3 +688,42 @@ def test_a_client_botocore_will_not_make_is_a_config_error(
     assert "S3 client for" in str(caught.value)
     assert caught.value.__context__ is None and caught.value.__cause__ is None
     assert set(threading.enumerate()) - before == set()
+
+
+def test_a_throttled_request_waits_as_long_as_the_server_asks(proxy: FaultProxy, single: Written) -> None:
+    """A 503 with ``Retry-After: 1`` is retried no sooner than the server asked (the client's own
+    backoff here is 10 ms); one asking for an hour, past the retry deadline, fails at once."""
+    uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
+    quick = {"backoff_base": 0.01, "backoff_max": 0.01}
+    proxy.inject("503+1", times=1)
+    started = time.monotonic()
+    with streamer.open(uri, config=cfg(proxy.endpoint_url, **quick)) as handle:
+        got = dict(iter(handle))
+        metrics = handle.metrics
+    assert time.monotonic() - started >= 1.0
+    assert_same_dict(got, reference_load(single.shards))
+    assert metrics["retries"] == 1 and metrics["throttles"] == 1
+    proxy.clear()
+    proxy.inject("503+3600", times=None)
+    started = time.monotonic()
+    asked = r"gave up after 5 s \(the server asked to wait 3.6e\+03 s more\)"
+    with pytest.raises(streamer.S3Error, match=asked):
+        streamer.load(uri, config=cfg(proxy.endpoint_url, retry_deadline=5, **quick))
+    assert time.monotonic() - started < 30
+
+
+def test_retry_after_is_read_as_seconds_or_an_http_date_and_only_on_throttling() -> None:
+    from email.utils import format_datetime
+
+    from streamer.backends.http.client import retry_after
+    from streamer.backends.http.response import HttpFailure
+
+    in_ten = format_datetime(
+        datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=10), usegmt=True
+    )
+    assert retry_after(HttpFailure(503, "SlowDown", {"Retry-After": "7"})) == 7.0
+    assert 8 < (retry_after(HttpFailure(429, None, {"retry-after": in_ten})) or 0) <= 10
+    assert retry_after(HttpFailure(503, None, {"Retry-After": "soon"})) is None
+    assert retry_after(HttpFailure(503, None, {})) is None
+    assert retry_after(HttpFailure(500, None, {"Retry-After": "7"})) is None  # not a throttle
+    assert retry_after(OSError("reset")) is None

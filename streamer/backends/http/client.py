@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import email.utils
 import functools
 import random
 import ssl
@@ -34,6 +35,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from streamer.backends.http.connection import Connection, ssl_context
 from streamer.backends.http.endpoint import Target
 from streamer.backends.http.objects import ObjectUri, StoredObject
+from streamer.backends.http.response import HttpFailure
 from streamer.backends.http.timing import LowSpeed, TooSlow, bounded
 from streamer.errors import ObjectSourceError, ObjectStoreError
 
@@ -62,6 +64,23 @@ class Fatal(Exception):
     def __init__(self, reason: str, status: int | None = None, code: str | None = None) -> None:
         super().__init__(reason)
         self.reason, self.status, self.code = reason, status, code
+
+
+def retry_after(exc: Exception) -> float | None:
+    """Seconds a throttled answer (429, 503) asked the client to wait in its ``Retry-After``
+    header (a number of seconds, or an HTTP date), else None."""
+    if not isinstance(exc, HttpFailure) or exc.status not in THROTTLE_STATUS:
+        return None
+    value = next((v.strip() for k, v in exc.headers.items() if k.lower() == "retry-after"), "")
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None  # not a date either: the client's own backoff applies
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 class RetrySettings(Protocol):
@@ -270,6 +289,7 @@ class ObjectStoreClient(abc.ABC):
             if until is not None:
                 budget = min(budget, until - time.monotonic())
             failure: Retry | Fatal
+            asked: float | None = None
             tried = time.monotonic()
             try:
                 if budget <= 0:
@@ -279,6 +299,7 @@ class ObjectStoreClient(abc.ABC):
                 raise
             except Exception as exc:
                 failure = self.classify(exc)
+                asked = retry_after(exc)
                 if isinstance(exc, TooSlow):
                     slow_tries += 1
                     failure = Retry(
@@ -295,6 +316,8 @@ class ObjectStoreClient(abc.ABC):
                     failure, uri, byte_range, attempts, reason=failure.reason, source_errors=source_errors
                 )
             delay = random.uniform(0.0, min(c.backoff_max, c.backoff_base * 2 ** (attempts - 1)))
+            if isinstance(failure, Retry) and asked is not None:
+                delay = max(delay, asked)  # a wait past the deadlines is not waited: it fails now
             out_of_time = time.monotonic() - started + delay > c.retry_deadline
             past_until = until is not None and time.monotonic() + delay >= until
             too_slow = slow_tries >= c.low_speed_tries
@@ -305,6 +328,8 @@ class ObjectStoreClient(abc.ABC):
                     why = f"gave up after {slow_tries} tries too slow"
                 else:
                     why = f"gave up after {c.retry_deadline:g} s" if out_of_time else "gave up"
+                if asked is not None and (out_of_time or past_until):
+                    why += f" (the server asked to wait {asked:.3g} s more)"
                 reason = f"{why}: {failure.reason}"
                 raise self.error(failure, uri, byte_range, attempts, reason=reason, source_errors=False)
             self.retries += 1
