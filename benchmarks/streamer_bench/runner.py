@@ -273,6 +273,7 @@ def run_section(
         if r == prune_after:
             for config in prune(configs, r):
                 progress(f"[{state}] {config.setting.loader} {config.setting.label}: {config.pruned}")
+            total = n + (repeat - r) * sum(c.pruned is None for c in configs)
         for config in round_order([c for c in configs if c.pruned is None], r):
             n += 1
             label = f"{config.setting.loader} {config.setting.label}"
