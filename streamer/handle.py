@@ -139,20 +139,17 @@ class Streamer:
             # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
             # this handle; closed by close(), or when the handle is collected without it.
             self._storage = open_storage(source, self.config)
-        except Exception as error:
+            weakref.finalize(self, self._storage.close)
+            try:
+                # Maybe provisional (a cache's note of the source): a full pass reads from it at
+                # once, everything else waits for the storage to confirm it (``checkpoint``).
+                self._checkpoint = read_checkpoint(self._storage, source)
+            except BaseException:
+                self._storage.close()
+                raise
+        except Exception as error:  # a load that failed at its open: its one event says so
             self._record.fail(error)
             report(self._record.event(), self.config)
-            raise
-        weakref.finalize(self, self._storage.close)
-        try:
-            # Maybe provisional (a cache's note of the source): a full pass reads from it at once,
-            # everything else waits for the storage to confirm it (``checkpoint``).
-            self._checkpoint = read_checkpoint(self._storage, source)
-        except BaseException as error:
-            self._storage.close()
-            if isinstance(error, Exception):
-                self._record.fail(error)
-                report(self._record.event(), self.config)
             raise
         self._provisional = True
         self._group = group
