@@ -125,8 +125,15 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             raise
         if kept is None:
             return handle
+        headers = handle.checkpoint.headers
+        skipped = sum(t.nbytes for h in headers if h.path not in kept for t in h.tensors)
         handle.close()
-        logger.info("Reading the %d shard(s) holding weights the model loads", len(kept))
+        logger.info(
+            "Reading the %d shard(s) holding weights the model loads; skipping %d shard(s), %d bytes",
+            len(kept),
+            len(headers) - len(kept),
+            skipped,
+        )
         return streamer.open(kept, device=device, config=self.options.config, group=group)
 
     def all_weights(
