@@ -15,7 +15,7 @@ from streamer.backends.sources import SourceArg, as_source
 from streamer.config import StreamerConfig
 from streamer.errors import ConfigError, KeyMismatchError, StreamerError
 from streamer.handle import Order, Streamer
-from streamer.observe.events import LoadRecord, report, shown_source
+from streamer.observe.events import LoadRecord, report
 from streamer.plan.checkpoint import Checkpoint, confirmed, read_checkpoint
 from streamer.run.assembly import fill
 
@@ -117,14 +117,14 @@ def load_into(
     source = as_source(source)
     tensors = _destination(dest)
     first = next(iter(tensors.values()), None)
-    record = LoadRecord(shown_source(source), first.device.type if first is not None else "cpu")
+    record = LoadRecord(source, first.device.type if first is not None else "cpu")
     try:
         return _open_and_load_into(tensors, source, config, strict, group, record)
     except Exception as error:
         record.fail(error)
         raise
     finally:
-        report(record.event(), config)
+        report(record, config)
 
 
 def _open_and_load_into(

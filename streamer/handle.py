@@ -22,7 +22,7 @@ from streamer.destinations.budget import HeldTensors, over_limit_message, stream
 from streamer.destinations.ring import RingCache
 from streamer.errors import ConfigError, FileClosedError, StreamerError
 from streamer.format.safetensors import TensorEntry
-from streamer.observe.events import LoadRecord, report, shown_source
+from streamer.observe.events import LoadRecord, report
 from streamer.observe.progress import ByteProgress
 from streamer.plan.checkpoint import Checkpoint, TensorRef, confirmed, read_checkpoint
 from streamer.plan.readahead import MAX_WINDOW_BYTES, KeyWalk
@@ -134,7 +134,7 @@ class Streamer:
         self.config = config if config is not None else StreamerConfig()
         self._order = order
         source = as_source(source)
-        self._record = LoadRecord(shown_source(source), self.device.type)  # the load's one event
+        self._record = LoadRecord(source, self.device.type)  # the load's one event
         try:
             # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
             # this handle; closed by close(), or when the handle is collected without it.
@@ -149,7 +149,7 @@ class Streamer:
                 raise
         except Exception as error:  # a load that failed at its open: its one event says so
             self._record.fail(error)
-            report(self._record.event(), self.config)
+            report(self._record, self.config)
             raise
         self._provisional = True
         self._group = group
@@ -488,7 +488,7 @@ class Streamer:
         self._closed = True
         self._stop()
         self._record_last()
-        report(self._record.event(), self.config)
+        report(self._record, self.config)
         if self._walk is not None:
             self._walk.clear()
         self._rings.clear()

@@ -99,9 +99,9 @@ class LoadEvent:
 class LoadRecord:
     """Accumulates one handle's reads into its ``LoadEvent``."""
 
-    def __init__(self, source: str, device: str) -> None:
+    def __init__(self, source: str | list[str], device: str) -> None:
         self._opened = time.perf_counter()
-        self._source, self._scheme = public_source(source)
+        self._source = source  # shown (public_source) only if an event is made: not on the load's path
         self._device = device
         self._sums = dict.fromkeys(_SUMMED, 0.0)
         self._files = self._tensors = self._group_bytes = 0
@@ -141,9 +141,10 @@ class LoadRecord:
         end = self._ended if self._ended is not None and self._error is None else time.perf_counter()
         seconds = max(end - self._opened, 0.0)
         sums = self._sums
+        source, scheme = public_source(shown_source(self._source))
         return LoadEvent(
-            source=self._source,
-            scheme=self._scheme,
+            source=source,
+            scheme=scheme,
             device=self._device,
             result="ok" if self._error is None else "error",
             error=self._error or "",
@@ -169,12 +170,17 @@ class LoadRecord:
         )
 
 
-def report(event: LoadEvent | None, config: StreamerConfig) -> None:
-    """Logs ``event`` (INFO, ``config.log_format``) and records it where ``config`` asks; never
-    raises (an exporter that cannot write warns once and the load goes on)."""
+def report(record: LoadRecord, config: StreamerConfig) -> None:
+    """Logs the load's event (INFO, ``config.log_format``) and records it where ``config`` asks;
+    the event is made only when something listens. Never raises (an exporter that cannot write
+    warns once and the load goes on)."""
+    logged = LOGGER.isEnabledFor(logging.INFO)
+    if not logged and not config.records_metrics:
+        return
+    event = record.event()
     if event is None:
         return
-    if LOGGER.isEnabledFor(logging.INFO):
+    if logged:
         text = json.dumps(event.as_dict(), sort_keys=True) if config.log_format == "json" else event.line()
         LOGGER.info(text, extra={"streamer_load": event.as_dict()})
     if config.records_metrics:
