@@ -76,30 +76,24 @@ class LoadCollectors:
     """The ``SERIES`` collectors, in ``registry``."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._made: dict[str, Counter | Histogram] = {}
-        for series in SERIES:
-            name, text, labels = series.name, series.help, series.labels
-            self._made[name] = (
-                Counter(name, text, labels, registry=registry)
-                if series.buckets is None
-                else Histogram(name, text, labels, registry=registry, buckets=series.buckets)
+        self._counters = {
+            series.name: Counter(series.name, series.help, series.labels, registry=registry)
+            for series in SERIES
+            if series.buckets is None
+        }
+        self._histograms = {
+            series.name: Histogram(
+                series.name, series.help, series.labels, registry=registry, buckets=series.buckets
             )
-
-    def _counter(self, name: str) -> Counter:
-        made = self._made[name]
-        assert isinstance(made, Counter)
-        return made
-
-    def _histogram(self, name: str) -> Histogram:
-        made = self._made[name]
-        assert isinstance(made, Histogram)
-        return made
+            for series in SERIES
+            if series.buckets is not None
+        }
 
     def record(self, event: LoadEvent) -> None:
         scheme = event.scheme if event.scheme in SCHEMES else "other"
         load = (scheme, event.device)
-        self._counter("streamer_loads").labels(*load, event.result, event.error).inc()
-        self._counter("streamer_loaded_bytes").labels(*load).inc(event.bytes)
+        self._counters["streamer_loads"].labels(*load, event.result, event.error).inc()
+        self._counters["streamer_loaded_bytes"].labels(*load).inc(event.bytes)
         cached = event.cache_hit_bytes + event.cache_miss_bytes
         origins = {
             "storage": max(event.bytes_read - cached, 0),
@@ -108,7 +102,7 @@ class LoadCollectors:
             "group": event.group_received_bytes,
         }
         for origin, nbytes in origins.items():
-            self._counter("streamer_read_bytes").labels(*load, origin).inc(nbytes)
+            self._counters["streamer_read_bytes"].labels(*load, origin).inc(nbytes)
         for name, count in (
             ("streamer_requests", event.requests),
             ("streamer_retries", event.retries),
@@ -118,8 +112,8 @@ class LoadCollectors:
             ("streamer_cache_evictions", event.cache_evictions),
             ("streamer_cache_checksum_failures", event.cache_checksum_failures),
         ):
-            self._counter(name).labels(scheme).inc(count)
-        self._histogram("streamer_load_seconds").labels(*load, event.result).observe(event.seconds)
+            self._counters[name].labels(scheme).inc(count)
+        self._histograms["streamer_load_seconds"].labels(*load, event.result).observe(event.seconds)
         if event.result != "ok":
             return
         for name, seconds in (
@@ -129,7 +123,7 @@ class LoadCollectors:
             ("streamer_time_to_first_tensor_seconds", event.time_to_first_tensor_s),
         ):
             if seconds is not None:
-                self._histogram(name).labels(*load).observe(seconds)
+                self._histograms[name].labels(*load).observe(seconds)
 
 
 _lock = threading.Lock()
