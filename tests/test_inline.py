@@ -5,7 +5,9 @@ and the engine again wherever a run is larger, limited or asks for O_DIRECT."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from conftest import (
     random_tensor,
     raw_entry,
     reference_load,
+    settled_thread_count,
     thread_count,
     write_checkpoint,
     write_raw,
@@ -24,7 +27,7 @@ from conftest import (
 
 import streamer
 from streamer import ReadError, StreamerConfig
-from streamer.run import inline as inline_run
+from streamer.host import openmp
 
 
 @pytest.fixture
@@ -128,52 +131,94 @@ def test_the_engine_reads_runs_that_are_larger_limited_or_direct(tmp_path: Path)
 
 
 def test_inline_max_bytes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert StreamerConfig().inline_max_bytes == 8 << 20
+    assert StreamerConfig().inline_max_bytes == 64 << 20
     monkeypatch.setenv("STREAMER_INLINE_MAX_BYTES", "0")
     assert StreamerConfig().inline_max_bytes == 0
     monkeypatch.setenv("STREAMER_INLINE_MAX_BYTES", "4MiB")
     assert StreamerConfig().inline_max_bytes == 4 << 20
 
 
-def test_a_run_read_in_two_halves_is_bit_exact_and_a_failure_in_either_half_is_raised(tmp_path: Path) -> None:
+@pytest.fixture
+def shared_run(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A file of 12 MiB: a run that torch's intra-op threads share."""
     g = torch.Generator().manual_seed(6)
-    tensors = {f"w{i}": random_tensor((256 << 10,), torch.float32, g) for i in range(6)}  # 6 MiB
-    path = write_checkpoint(tmp_path, tensors, index=False).shards[0]
+    tensors = {f"w{i}": random_tensor((3 << 18,), torch.float32, g) for i in range(4)}
+    tensors |= {f"b{i}": random_tensor((1000 + i,), torch.bfloat16, g) for i in range(3)}
+    return write_checkpoint(tmp_path, tensors, index=False).shards[0], tensors
+
+
+@pytest.mark.parametrize("team", ["torch's OpenMP team", "threads of its own"])
+def test_a_shared_run_is_bit_exact_leaves_no_thread_and_raises_the_first_failure(
+    shared_run: tuple[Path, dict[str, torch.Tensor]], team: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, tensors = shared_run
+    if team == "threads of its own":
+        monkeypatch.setattr(openmp, "team_entry", lambda: None)
+    else:  # this machine's torch runs on OpenMP: its team is found, and woken by an operator first
+        assert "OpenMP" in torch.__config__.parallel_info() and openmp.team_entry() is not None
+        torch.ones(1 << 22).sum()
+    assert openmp.team_threads() == torch.get_num_threads()
     before = thread_count()
-    assert_same_dict(streamer.load_file(path), tensors)
-    assert thread_count() == before  # the helper was joined
-    size = path.stat().st_size
+    for _ in range(3):
+        with streamer.open(path) as handle:
+            assert_same_dict(dict(handle), tensors)
+            assert handle.metrics["readers"] == 0
+    assert settled_thread_count(before) == before  # threads of its own are joined; a team stays torch's
     with streamer.open(path) as handle:
-        os.truncate(path, size - (1 << 20))  # the second half's last tensor is cut
+        os.truncate(path, path.stat().st_size - (1 << 20))  # the last float tensor is cut
         with pytest.raises(ReadError, match="file ended early") as info:
             list(handle)
-    assert info.value.tensor == "w5" and info.value.path == str(path)
-    assert thread_count() == before
+    assert info.value.tensor == "w3" and info.value.path == str(path)
+    assert settled_thread_count(before) == before
 
 
-def test_the_caller_reads_on_while_the_helper_thread_is_held_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_child_forked_after_a_team_read_reads_on_threads_of_its_own(
+    shared_run: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
-    """A helper kept off the CPU (torch's OpenMP workers spin on the other core after each parallel
-    op) must not stall the load: the caller takes every other piece, then waits only for the one
-    the helper holds."""
-    g = torch.Generator().manual_seed(8)
-    tensors = {f"w{i}": random_tensor((512 << 10,), torch.float32, g) for i in range(4)}  # 8 MiB
-    path = write_checkpoint(tmp_path, tensors, index=False).shards[0]
-    read = inline_run.Piece.read
-    by_caller: list[inline_run.Piece] = []
-    caller_done = threading.Event()
-    pieces = (8 << 20) // inline_run.PIECE_MIN_BYTES
+    """GNU OpenMP's pool does not survive a fork: a team call in the child would wait forever for
+    the parent's threads (as torch's own parallel operators do there: the child compares bytes
+    without them). The child must load all the same, without the team."""
+    path, tensors = shared_run
+    assert_same_dict(streamer.load_file(path), tensors)  # the parent's team is up
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if it loaded every byte without the team
+        try:
+            loaded = streamer.load_file(path)
+            same = loaded.keys() == tensors.keys()
+            same = same and all(_bytes(loaded[k]) == _bytes(tensors[k]) for k in tensors)
+            os._exit(0 if same and openmp.team_entry() is None else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung loading a shared run")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
-    def held_up_read(piece: inline_run.Piece) -> None:
-        if threading.current_thread().name == "streamer-inline":
-            assert caller_done.wait(30), "the caller waited for the helper before reading on"
-        else:
-            by_caller.append(piece)
-            if len(by_caller) == pieces - 1:
-                caller_done.set()
-        read(piece)
 
-    monkeypatch.setattr(inline_run.Piece, "read", held_up_read)
-    assert_same_dict(streamer.load_file(path), tensors)
-    assert len(by_caller) == pieces - 1
+def test_the_openmp_runtime_is_told_apart_by_its_file() -> None:
+    torch_dir = Path("/venv/lib/python3.11/site-packages/torch")
+    line = "7f3a1c000000-7f3a1c020000 r-xp 00002000 fd:01 1234  {}"
+    maps = "\n".join(
+        line.format(path)
+        for path in (
+            "/usr/lib/x86_64-linux-gnu/libc.so.6",
+            f"{torch_dir}/lib/libgomp-a34b3233.so.1",
+            f"{torch_dir}/lib/libgomp-a34b3233.so.1",
+            "/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0",
+            "/opt/numpy.libs/libgompx.so",
+        )
+    )
+    assert openmp.runtime_path(maps, torch_dir) == f"{torch_dir}/lib/libgomp-a34b3233.so.1"
+    assert openmp.runtime_path(maps, Path("/elsewhere")) is None  # two runtimes, neither torch's
+    only = line.format("/opt/intel/lib/libiomp5.so")
+    assert openmp.runtime_path(only, Path("/elsewhere")) == "/opt/intel/lib/libiomp5.so"
+    assert openmp.runtime_path(line.format("/usr/lib/libc.so.6"), torch_dir) is None
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's bytes, taken without a parallel operator."""
+    return bytes(tensor.view(torch.uint8).numpy().data)

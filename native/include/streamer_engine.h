@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped on every change to a struct layout, a signature or a constant below. The binding
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
-#define SE_ABI_VERSION 6
+#define SE_ABI_VERSION 7
 
 /* O_DIRECT reads need offset, length and destination on multiples of this. */
 #define SE_DIRECT_ALIGNMENT 4096
@@ -200,6 +200,42 @@ void se_engine_cancel(se_engine *engine);
 
 /* Cancels, waits for in-flight reads, joins the workers, closes files, frees. NULL is a no-op. */
 void se_engine_destroy(se_engine *engine);
+
+/*
+ * Pieces: a small run of local files read on the caller's own threads, without an engine (starting
+ * and joining an engine's readers costs more than such a run's bytes). A piece fills n_buffers
+ * buffers (buffers[first_buffer] on), back to back, from `offset` of the open descriptor fd.
+ *
+ * se_read_pieces() reads every piece, in any order, on n_threads threads: the calling thread and
+ * n_threads - 1 more, the team's where `team` is given, else threads started here (fewer where one
+ * cannot start: the caller reads on) and joined before it returns. It stops at the first failure,
+ * which it returns and stores in *error: SE_ERR_READ (with sys_errno) or SE_ERR_TRUNCATED (the file
+ * ended early), `file` the index of the failing piece, `offset` where its failing read started,
+ * `expected` the piece's bytes and `got` those of them read. SE_ERR_INVALID: a piece's buffers lie
+ * outside buffers[], or more than INT32_MAX pieces.
+ *
+ * se_team_fn is GOMP_parallel's signature (libgomp's, and the GOMP entry of LLVM's and Intel's
+ * OpenMP runtimes): run work(arg) on a team of n_threads, the caller among them, and return once
+ * every member has. Given torch's runtime, the reads run on the threads torch's own copies run on,
+ * which spin awake for milliseconds after each operator: threads of our own would take turns with
+ * them on the cores instead.
+ */
+typedef void (*se_team_fn)(void (*work)(void *), void *arg, unsigned int n_threads, unsigned int flags);
+
+typedef struct se_buffer {
+    uintptr_t address; /* first byte */
+    uint64_t length;
+} se_buffer;
+
+typedef struct se_piece {
+    uint64_t offset;
+    int32_t fd;
+    uint32_t first_buffer;
+    uint32_t n_buffers;
+} se_piece;
+
+int32_t se_read_pieces(const se_piece *pieces, size_t n_pieces, const se_buffer *buffers,
+                       size_t n_buffers, uint32_t n_threads, se_team_fn team, se_error_info *error);
 
 /*
  * Anonymous private memory for destinations. With hugepage != 0 the region is

@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +21,8 @@
 #include <time.h>
 #include <unistd.h>
 
-static int g_passed; /* the test counter: the only mutable global */
+static int g_passed;                   /* the test counter */
+static atomic_int g_team_members;      /* members fake_team ran: the only other mutable global */
 
 #define CHECK(expr)                                                                   \
     do {                                                                              \
@@ -1483,6 +1485,127 @@ static void test_external_files(void) {
     free(data);
 }
 
+/* ---------------------------------------------------------------- pieces */
+
+/* A team runner with GOMP_parallel's signature, on plain pthreads: n_threads - 1 of them and the
+ * caller, each member counted in g_team_members. */
+static void *fake_member(void *arg) {
+    void **call = arg;
+    ((void (*)(void *))call[0])(call[1]);
+    return NULL;
+}
+
+static void fake_team(void (*work)(void *), void *arg, unsigned int n_threads, unsigned int flags) {
+    CHECK_EQ(flags, 0);
+    void *call[2] = {(void *)work, arg};
+    pthread_t members[8];
+    CHECK(n_threads >= 1 && n_threads <= 9);
+    for (unsigned int i = 0; i + 1 < n_threads; i++) {
+        CHECK(pthread_create(&members[i], NULL, fake_member, call) == 0);
+    }
+    work(arg);
+    atomic_fetch_add(&g_team_members, (int)n_threads);
+    for (unsigned int i = 0; i + 1 < n_threads; i++) {
+        CHECK(pthread_join(members[i], NULL) == 0);
+    }
+}
+
+/* Pieces of several files, buffers of every size (empty ones, more than one preadv takes), read
+ * on one thread, on threads of its own and on a team: every byte lands where it belongs. */
+static void test_read_pieces(void) {
+    const uint64_t size = 3 * MIB + 333;
+    unsigned char *data = random_bytes(size, 21);
+    temp_file a, b;
+    temp_create(&a, data, size);
+    temp_create(&b, data + 1000, size - 1000);
+    enum { N_BUFFERS = 300 };
+    se_buffer buffers[N_BUFFERS];
+    uint64_t lengths[N_BUFFERS];
+    uint64_t total = 0;
+    for (int i = 0; i < N_BUFFERS; i++) {
+        lengths[i] = i % 7 == 3 ? 0 : (uint64_t)(i * 977 % 20011) + 1;
+        total += lengths[i];
+    }
+    CHECK(total < size - 1000);
+    unsigned char *dst = malloc(total);
+    CHECK(dst != NULL);
+    /* pieces: buffers 0-149 (file a from 17), 150-229 (file b from 0), 230-299 (file a after) */
+    uint64_t at = 0;
+    for (int i = 0; i < N_BUFFERS; i++) {
+        buffers[i].address = (uintptr_t)(dst + at);
+        buffers[i].length = lengths[i];
+        at += lengths[i];
+    }
+    uint64_t first_bytes = 0, second_bytes = 0;
+    for (int i = 0; i < 150; i++) first_bytes += lengths[i];
+    for (int i = 150; i < 230; i++) second_bytes += lengths[i];
+    const se_piece pieces[3] = {
+        {17, a.fd, 0, 150},
+        {0, b.fd, 150, 80},
+        {17 + first_bytes, a.fd, 230, 70},
+    };
+    const uint32_t threads[4] = {1, 3, 2, 4};
+    for (int c = 0; c < 4; c++) {
+        memset(dst, 0xAB, total);
+        atomic_store(&g_team_members, 0);
+        se_error_info err;
+        se_team_fn team = c >= 2 ? fake_team : NULL;
+        CHECK_EQ(se_read_pieces(pieces, 3, buffers, N_BUFFERS, threads[c], team, &err), SE_OK);
+        CHECK_EQ(err.code, SE_OK);
+        CHECK_EQ(err.file, -1);
+        CHECK(memcmp(dst, data + 17, first_bytes) == 0);
+        CHECK(memcmp(dst + first_bytes, data + 1000, second_bytes) == 0);
+        CHECK(memcmp(dst + first_bytes + second_bytes, data + 17 + first_bytes,
+                     total - first_bytes - second_bytes) == 0);
+        CHECK_EQ(atomic_load(&g_team_members), team != NULL ? (int)min_u64(threads[c], 3) : 0);
+    }
+    free(dst);
+    temp_remove(&b);
+    temp_remove(&a);
+    free(data);
+}
+
+/* A piece running past the end of its file, an unreadable descriptor, pieces outside the buffer
+ * table: typed failures naming the piece, the others' bytes untouched after the stop. */
+static void test_read_pieces_failures(void) {
+    const uint64_t size = 10000;
+    unsigned char *data = random_bytes(size, 22);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char dst[3 * 4096];
+    const se_buffer buffers[3] = {
+        {(uintptr_t)dst, 4096}, {(uintptr_t)(dst + 4096), 4096}, {(uintptr_t)(dst + 8192), 4096}};
+    se_error_info err;
+
+    const se_piece past_end[2] = {{0, f.fd, 0, 1}, {8000, f.fd, 1, 1}};
+    for (uint32_t threads = 1; threads <= 2; threads++) {
+        CHECK_EQ(se_read_pieces(past_end, 2, buffers, 3, threads, threads == 2 ? fake_team : NULL, &err),
+                 SE_ERR_TRUNCATED);
+        CHECK_EQ(err.code, SE_ERR_TRUNCATED);
+        CHECK_EQ(err.sys_errno, 0);
+        CHECK_EQ(err.file, 1);
+        CHECK_EQ(err.offset, size);
+        CHECK_EQ(err.expected, 4096);
+        CHECK_EQ(err.got, size - 8000);
+        CHECK(memcmp(dst + 4096, data + 8000, size - 8000) == 0);
+    }
+
+    const se_piece closed[1] = {{0, -1, 0, 2}};
+    CHECK_EQ(se_read_pieces(closed, 1, buffers, 3, 1, NULL, &err), SE_ERR_READ);
+    CHECK_EQ(err.sys_errno, EBADF);
+    CHECK_EQ(err.file, 0);
+    CHECK_EQ(err.got, 0);
+    CHECK_EQ(err.expected, 8192);
+
+    const se_piece outside[2] = {{0, f.fd, 0, 1}, {0, f.fd, 2, 2}};
+    CHECK_EQ(se_read_pieces(outside, 2, buffers, 3, 1, NULL, &err), SE_ERR_INVALID);
+    const se_piece wrapping[1] = {{0, f.fd, 1, UINT32_MAX}};
+    CHECK_EQ(se_read_pieces(wrapping, 1, buffers, 3, 1, NULL, &err), SE_ERR_INVALID);
+    CHECK_EQ(se_read_pieces(NULL, 0, NULL, 0, 4, NULL, &err), SE_OK);
+    temp_remove(&f);
+    free(data);
+}
+
 int main(void) {
     RUN(test_read_many_units);
     RUN(test_straddling_blocks);
@@ -1505,6 +1628,8 @@ int main(void) {
     RUN(test_stress);
     RUN(test_add_files_while_reading);
     RUN(test_external_files);
+    RUN(test_read_pieces);
+    RUN(test_read_pieces_failures);
     printf("engine tests: %d passed, 0 failed\n", g_passed);
     return 0;
 }

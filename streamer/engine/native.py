@@ -280,6 +280,34 @@ class PageFill:
 HUGEPAGE_MIN_BYTES = 4 << 20
 
 
+def read_pieces(
+    pieces: Sequence[tuple[int, int, int, int]],
+    buffers: Sequence[tuple[int, int]],
+    n_threads: int,
+    team: int | None,
+) -> ErrorInfo | None:
+    """Reads every piece ``(offset, fd, first buffer, buffer count)`` into its buffers ``(address,
+    length)`` on ``n_threads`` threads: those of ``team`` (the address of a ``GOMP_parallel``) where
+    given, else threads started and joined here. None, or the first failure (``file`` is the
+    failing piece's index)."""
+    piece_table = ffi.new("se_piece[]", len(pieces))
+    for entry, (offset, fd, first, count) in zip(piece_table, pieces, strict=True):
+        entry.offset, entry.fd, entry.first_buffer, entry.n_buffers = offset, fd, first, count
+    buffer_table = ffi.new("se_buffer[]", len(buffers))
+    for entry, (where, length) in zip(buffer_table, buffers, strict=True):
+        entry.address, entry.length = where, length
+    info = ffi.new("se_error_info *")
+    runner = ffi.NULL if team is None else ffi.cast("se_team_fn", team)
+    status = _lib().se_read_pieces(
+        piece_table, len(pieces), buffer_table, len(buffers), n_threads, runner, info
+    )
+    if status == OK:
+        return None
+    if status in (ERR_INVALID, ERR_NOMEM):
+        _raise_status(status, "reading pieces")
+    return ErrorInfo(info.code, info.sys_errno, info.file, info.offset, info.expected, info.got)
+
+
 def _huge(size: int, hugepages: bool) -> int:
     return int(hugepages and size >= HUGEPAGE_MIN_BYTES)
 

@@ -1,14 +1,15 @@
-"""A small run of local files, read on the caller's thread: no engine and no plan.
+"""A small run of local files, read by the caller's own threads: no engine and no plan.
 
-Adapters, tokenizer-sized side files and the many small shards of some checkpoints cost a few
+Adapters, tokenizer-sized side files and the shards of small and mid-size checkpoints cost a few
 milliseconds each through the engine (starting and joining its readers, fresh mapped buffers
 faulted in page by page), where the bytes themselves take a fraction of one. A run of at most
 ``StreamerConfig.inline_max_bytes`` from local files into CPU memory is therefore read here:
 each tensor gets its own memory from torch's allocator (recycled by the C library, as a copy's
-would be), neighbouring tensors are read with one ``preadv``, and from 4 MiB a helper thread
-takes pieces of the run from the same queue as the caller. Warm, in one process
-(``benchmarks/small_files.py``): 2.8x faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, not
-separable at 16 MiB, hence the 8 MiB default.
+would be), neighbouring tensors are read with one ``preadv``, and from 4 MiB the pieces of the
+run are shared by torch's intra-op threads (its OpenMP team where it has one, already awake
+after torch's last operator; ``streamer.host.openmp``) through the engine's ``se_read_pieces``.
+Warm, in one process, on 2 cores (``benchmarks/small_files.py``): 2-4x faster than the engine
+from 1.5 to 256 MiB; cold, faster up to 64 MiB, hence the 64 MiB default.
 A short read is the same typed error the engine gives; the file and tensor are named.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
-import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 
@@ -26,7 +26,9 @@ import torch
 from streamer.config import StreamerConfig
 from streamer.destinations.budget import streaming_budget
 from streamer.destinations.buffers import empty_tensor
+from streamer.engine import native
 from streamer.errors import ReadError, SourceError
+from streamer.host import openmp
 from streamer.plan.checkpoint import Checkpoint, TensorRef
 from streamer.plan.segments import stretches
 from streamer.plan.selection import Selection, run_then_close
@@ -88,8 +90,9 @@ class InlineRun:
 
     def _read_all(self, tensors: dict[str, torch.Tensor]) -> int:
         """Reads every tensor with bytes into its tensor of ``tensors``, neighbours in one ``preadv``;
-        the bytes read. From ``PARALLEL_MIN_BYTES`` a helper thread shares the pieces (a copy out of
-        the page cache is CPU work: torch's own copies use every core)."""
+        the bytes read. From ``PARALLEL_MIN_BYTES`` the pieces are shared by torch's intra-op threads
+        (a copy out of the page cache is CPU work, as torch's own copies are), on its OpenMP team
+        where there is one (``streamer.host.openmp``)."""
         wanted = [ref for ref in self._refs if ref.entry.nbytes]
         paths = self._checkpoint.headers
         fds: dict[int, int] = {}
@@ -107,13 +110,12 @@ class InlineRun:
                 )
                 for stretch in _stretches(wanted)
                 for skip, views in _cut(
-                    [_bytes(tensors[ref.entry.name]) for ref in stretch], _piece_bytes(total)
+                    [(tensors[ref.entry.name].data_ptr(), ref.entry.nbytes) for ref in stretch],
+                    _piece_bytes(total),
                 )
             ]
-            # The affinity, not the cgroup quota (usable_cores, ~70 us of file reads): two readers
-            # on a one-core quota only take turns.
-            shared = total >= PARALLEL_MIN_BYTES and len(pieces) > 1 and len(os.sched_getaffinity(0)) > 1
-            _read_pieces(pieces, helped=shared)
+            threads = openmp.team_threads() if total >= PARALLEL_MIN_BYTES and len(pieces) > 1 else 1
+            _read_pieces(pieces, threads)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -122,76 +124,54 @@ class InlineRun:
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One ``preadv``: ``views`` (slices of the tensors ``refs``) filled from ``position`` of ``fd``."""
+    """One ``preadv``: ``views`` (parts of the tensors ``refs``) filled from ``position`` of ``fd``."""
 
     fd: int
     path: str
     position: int
     refs: Sequence[TensorRef]
-    views: Sequence[tuple[int, memoryview]]  # (index in refs, bytes), back to back in the file
+    views: Sequence[tuple[int, int, int]]  # (index in refs, address, length), back to back in the file
 
-    def read(self) -> None:
-        """Fills the views; a short read or an I/O error is a ``ReadError`` naming the file and the
-        tensor it stopped in."""
-        position = self.position
-        pending = [view for _, view in self.views]
-        done = 0
-        while pending:
-            try:
-                got = os.preadv(self.fd, pending[:_IOV_MAX], position)
-            except OSError as exc:
-                raise ReadError(
-                    f"read failed: {exc.strerror}", path=self.path, tensor=self._tensor(done), offset=position
-                ) from None
-            if got <= 0:
-                stretch = self.refs[-1].entry.end - self.refs[0].entry.begin
-                raise ReadError(
-                    f"file ended early: {position - self.refs[0].entry.begin} of {stretch} bytes read "
-                    "(truncated or replaced while loading?)",
-                    path=self.path,
-                    tensor=self._tensor(done),
-                    offset=position,
-                )
-            position += got
-            while pending and got >= len(pending[0]):
-                got -= len(pending.pop(0))
-                done += 1
-            if got:
-                pending[0] = pending[0][got:]
+    def error(self, failure: native.ErrorInfo) -> ReadError:
+        """The typed error for this piece's ``failure``: the file and the tensor it stopped in."""
+        tensor = self._tensor(failure.got)
+        if failure.code == native.ERR_TRUNCATED:
+            stretch = self.refs[-1].entry.end - self.refs[0].entry.begin
+            return ReadError(
+                f"file ended early: {failure.offset - self.refs[0].entry.begin} of {stretch} bytes read "
+                "(truncated or replaced while loading?)",
+                path=self.path,
+                tensor=tensor,
+                offset=failure.offset,
+            )
+        return ReadError(
+            f"read failed: {os.strerror(failure.sys_errno)}",
+            path=self.path,
+            tensor=tensor,
+            offset=failure.offset,
+        )
 
     def _tensor(self, done: int) -> str:
-        return self.refs[self.views[done][0]].entry.name
+        """The tensor that the byte ``done`` bytes into this piece belongs to."""
+        for index, _, length in self.views:
+            if done < length:
+                return self.refs[index].entry.name
+            done -= length
+        return self.refs[self.views[-1][0]].entry.name
 
 
-def _read_pieces(pieces: Sequence[Piece], *, helped: bool) -> None:
-    """Reads every piece on this thread, with a helper thread taking pieces from the same queue when
-    ``helped``. The caller never waits for a helper that has not started yet (a core busy with
-    torch's spinning OpenMP workers can keep it off for milliseconds): it just reads on; at the
-    end it waits only for the piece the helper is in. The first failure is raised, whichever
-    thread met it, and stops both."""
-    queue = iter(pieces)
-    take = threading.Lock()
-    failures: list[BaseException] = []
-
-    def work() -> None:
-        while not failures:
-            with take:
-                piece = next(queue, None)
-            if piece is None:
-                return
-            try:
-                piece.read()
-            except BaseException as error:
-                failures.append(error)
-
-    helper = threading.Thread(target=work, name="streamer-inline") if helped else None
-    if helper is not None:
-        helper.start()
-    work()
-    if helper is not None:
-        helper.join()
-    if failures:
-        raise failures[0]
+def _read_pieces(pieces: Sequence[Piece], threads: int) -> None:
+    """Reads every piece on ``threads`` threads (the caller among them); the first failure is
+    raised, after which no thread takes another piece."""
+    buffers: list[tuple[int, int]] = []
+    table = []
+    for piece in pieces:
+        table.append((piece.position, piece.fd, len(buffers), len(piece.views)))
+        buffers.extend((address, length) for _, address, length in piece.views)
+    team = openmp.team_entry() if threads > 1 else None
+    failure = native.read_pieces(table, buffers, threads, team)
+    if failure is not None:
+        raise pieces[failure.file].error(failure)
 
 
 def _open_regular(path: str) -> int:
@@ -217,32 +197,25 @@ def _stretches(refs: Sequence[TensorRef]) -> Iterator[Sequence[TensorRef]]:
         yield refs[start:stop]
 
 
-def _bytes(tensor: torch.Tensor) -> memoryview:
-    return tensor.view(-1).view(torch.uint8).numpy().data
-
-
 def _piece_bytes(total: int) -> int:
     """How much one ``preadv`` reads: about a sixteenth of the run (so two readers end close
     together), between ``PIECE_MIN_BYTES`` and ``PIECE_MAX_BYTES``."""
     return min(max(total // 16, PIECE_MIN_BYTES), PIECE_MAX_BYTES)
 
 
-def _cut(views: list[memoryview], limit: int) -> Iterator[tuple[int, list[tuple[int, memoryview]]]]:
-    """``views`` (back to back in the file) in groups of at most ``limit`` bytes, a view cut where a
-    group ends: each group with its distance in bytes from the first view's start, each part with
-    the index of the view it came from."""
-    group: list[tuple[int, memoryview]] = []
+def _cut(views: list[tuple[int, int]], limit: int) -> Iterator[tuple[int, list[tuple[int, int, int]]]]:
+    """``views`` ``(address, length)`` (back to back in the file) in groups of at most ``limit``
+    bytes, a view cut where a group ends: each group with its distance in bytes from the first
+    view's start, each part as ``(index of its view, address, length)``."""
+    group: list[tuple[int, int, int]] = []
     start = done = 0
-    for index, view in enumerate(views):
-        while len(view):
-            part = view[: limit - (done - start)]
-            group.append((index, part))
-            view, done = view[len(part) :], done + len(part)
+    for index, (address, length) in enumerate(views):
+        while length:
+            part = min(length, limit - (done - start))
+            group.append((index, address, part))
+            address, length, done = address + part, length - part, done + part
             if done - start == limit:
                 yield start, group
                 group, start = [], done
     if group:
         yield start, group
-
-
-_IOV_MAX = 1024  # buffers one preadv may take (IOV_MAX on Linux)
