@@ -12,7 +12,7 @@ import torch
 from streamer.backends import open_storage
 from streamer.backends.base import Storage
 from streamer.backends.sources import SourceArg, as_source
-from streamer.config import StreamerConfig
+from streamer.config import StreamerConfig, default_config
 from streamer.errors import ConfigError, KeyMismatchError, StreamerError
 from streamer.handle import Order, Streamer
 from streamer.observe.events import LoadRecord, report
@@ -113,7 +113,7 @@ def load_into(
     checkpoint and the same tensor names; each reads about ``1/N`` of the bytes and receives the
     rest (``streamer.group``). The tensors of ``dest`` must then be contiguous.
     """
-    config = config if config is not None else StreamerConfig()
+    config = config if config is not None else default_config()
     source = as_source(source)
     tensors = _destination(dest)
     first = next(iter(tensors.values()), None)

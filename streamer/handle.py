@@ -16,7 +16,7 @@ import torch
 from streamer.backends import open_storage
 from streamer.backends.base import ReadCost, StaleOpen
 from streamer.backends.sources import SourceArg, as_source
-from streamer.config import StreamerConfig
+from streamer.config import StreamerConfig, default_config
 from streamer.destinations import parse_device
 from streamer.destinations.budget import HeldTensors, over_limit_message, streaming_budget, warn_from_caller
 from streamer.destinations.ring import RingCache
@@ -131,7 +131,7 @@ class Streamer:
         if order not in ("completion", "checkpoint"):
             raise ConfigError(f"order must be 'completion' or 'checkpoint', got {order!r}")
         self.device = parse_device(device)
-        self.config = config if config is not None else StreamerConfig()
+        self.config = config if config is not None else default_config()
         self._order = order
         source = as_source(source)
         self._record = LoadRecord(source, self.device.type)  # the load's one event

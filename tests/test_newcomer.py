@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_checkpoint
+from conftest import assert_same_dict, write_checkpoint
 
 import streamer
 from streamer import HeaderError, MissingFileError
+from streamer.config import default_config
 
 
 def _impostors(directory: Path) -> dict[str, tuple[Path, str]]:
@@ -181,6 +182,34 @@ def test_a_wrong_environment_value_names_its_variable(monkeypatch: pytest.Monkey
     monkeypatch.setenv("STREAMER_S3_MAX_ATTEMPTS", "lots")
     with pytest.raises(streamer.ConfigError, match=r"s3\.max_attempts \(STREAMER_S3_MAX_ATTEMPTS\): 'lots'"):
         streamer.StreamerConfig()
+
+
+def test_a_call_without_a_config_follows_the_environment_as_it_is_now(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The default config is reused between calls (building one costs ~100 us) only while no
+    variable that any config reads was set, changed or unset."""
+    path = write_checkpoint(tmp_path, {"w": torch.ones(1000)}, index=False).shards[0]
+    monkeypatch.delenv("STREAMER_INLINE_MAX_BYTES", raising=False)
+    first = default_config()
+    assert default_config() is first  # nothing changed: the same frozen config
+    with streamer.open(path) as handle:
+        handle.load_all()
+        assert handle.config is first and handle.metrics["readers"] == 0  # read inline
+    monkeypatch.setenv("STREAMER_INLINE_MAX_BYTES", "0")
+    with streamer.open(path) as handle:
+        handle.load_all()
+        assert handle.config.inline_max_bytes == 0 and handle.metrics["readers"] > 0  # the engine
+    monkeypatch.setenv("AWS_REGION", "eu-north-1")  # a sub-config's variable counts as much
+    assert default_config().s3.region == "eu-north-1"
+    monkeypatch.setenv("STREAMER_S3_MAX_ATTEMPTS", "lots")
+    for _ in range(2):  # a wrong value fails every call; nothing is kept from the one before
+        with pytest.raises(streamer.ConfigError, match="STREAMER_S3_MAX_ATTEMPTS"):
+            streamer.load_file(path)
+    monkeypatch.delenv("STREAMER_S3_MAX_ATTEMPTS")
+    monkeypatch.delenv("STREAMER_INLINE_MAX_BYTES")
+    assert default_config().inline_max_bytes == 64 << 20
+    assert_same_dict(streamer.load_file(path), {"w": torch.ones(1000)})
 
 
 # --- load_into ----------------------------------------------------------------------------------

@@ -9,18 +9,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import grp
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 from streamer.config.fields import (
     choice,
     count,
+    environment_snapshot,
     flag,
     parse_fields,
     seconds,
     setting,
     size,
     text,
+    variables,
 )
 from streamer.errors import ConfigError
 from streamer.host.machine import STAGED_READERS, default_readers, hugepages_by_default, usable_cores
@@ -330,10 +333,11 @@ class StreamerConfig:
         1 GiB checkpoint 1.6x faster (README). Used for local files; where the kernel or a seccomp
         filter refuses userfaultfd, loads go on without it (``metrics["page_fill"]`` says why).
     inline_max_bytes: a run of local files into CPU memory of at most this many bytes (default
-        8 MiB, ``STREAMER_INLINE_MAX_BYTES``) is read on the caller's thread, each tensor into
-        memory of its own, without the engine's reader threads (``streamer.run.inline``): warm,
-        2.8x faster than the engine at 1.5 MiB, 1.4x at 6-10 MiB, not separable at 16 MiB
-        (``benchmarks/small_files.py``). 0 reads every run through the engine.
+        64 MiB, ``STREAMER_INLINE_MAX_BYTES``) is read by the caller's thread and torch's intra-op
+        threads, each tensor into memory of its own, without the engine's reader threads
+        (``streamer.run.inline``): on 2 cores, warm, 2-4x faster than the engine from 1.5 to
+        256 MiB, cold faster up to 64 MiB and slower from 128 MiB (``benchmarks/small_files.py
+        --sizes 1.5MiB,16MiB,64MiB,128MiB --cold``). 0 reads every run through the engine.
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.
@@ -369,7 +373,7 @@ class StreamerConfig:
     s3: S3Config = field(default_factory=S3Config)
     gcs: GCSConfig = field(default_factory=GCSConfig)
     azure: AzureConfig = field(default_factory=AzureConfig)
-    inline_max_bytes: int = setting(size(0), 8 << 20, env="STREAMER_INLINE_MAX_BYTES")
+    inline_max_bytes: int = setting(size(0), 64 << 20, env="STREAMER_INLINE_MAX_BYTES")
     group_timeout: float = setting(seconds(), 30.0, env="STREAMER_GROUP_TIMEOUT")
     group_verify: GroupVerify = setting(choice(GROUP_VERIFY), "sampled", env="STREAMER_GROUP_VERIFY")
     group_shm_dir: str | None = setting(_shm_dir, "/dev/shm", env="STREAMER_GROUP_SHM_DIR")
@@ -412,3 +416,30 @@ class StreamerConfig:
 
     def __post_init__(self) -> None:
         parse_fields(self)
+
+
+class _EnvironmentDefault:
+    """The config of calls given none: ``StreamerConfig()``, built again only when a variable that
+    some config reads was set, changed or unset since the last one, or after ``KEEP_SECONDS`` (the
+    machine facts that some defaults probe, as ``hugepages``'s, are kept that long). Building one
+    reads ~50 variables and parses ~80 fields, ~100 us: a fifth of loading a 1.5 MiB file."""
+
+    KEEP_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        self._names = variables(StreamerConfig, S3Config, GCSConfig, AzureConfig, CacheConfig)
+        self._kept: tuple[tuple[tuple[str, str], ...], float, StreamerConfig] | None = None
+
+    def get(self) -> StreamerConfig:
+        snapshot = environment_snapshot(self._names)
+        now = time.monotonic()
+        kept = self._kept  # one read: another thread may replace it (configs are frozen, so shared)
+        if kept is not None and kept[0] == snapshot and now - kept[1] < self.KEEP_SECONDS:
+            return kept[2]
+        config = StreamerConfig()
+        self._kept = (snapshot, now, config)
+        return config
+
+
+default_config = _EnvironmentDefault().get
+"""``StreamerConfig()`` as the environment says now, shared by the calls given no config."""

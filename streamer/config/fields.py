@@ -62,6 +62,18 @@ def parse_fields(config: object, *, section: str = "") -> None:
         object.__setattr__(config, name, parsed)
 
 
+def variables(*config_classes: type) -> frozenset[str]:
+    """Every environment variable that the ``setting`` fields of ``config_classes`` read."""
+    return frozenset(name for cls in config_classes for _, _, names in _settings(cls) for name in names)
+
+
+def environment_snapshot(names: frozenset[str]) -> tuple[tuple[str, str], ...]:
+    """The variables of ``names`` that are set, with their values: equal snapshots, equal configs.
+    It walks the environment's keys once (~6 us), where asking for each of ~50 names costs ~50 us
+    (``os.environ.get`` of an unset variable raises and catches a ``KeyError``)."""
+    return tuple(sorted((name, os.environ.get(name, "")) for name in names.intersection(os.environ)))
+
+
 @functools.cache
 def _settings(config_class: type) -> tuple[tuple[str, Parser, tuple[str, ...]], ...]:
     """The ``setting`` fields of a config class: name, parser, variables (looked up once per class)."""

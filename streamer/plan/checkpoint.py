@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from streamer.backends import open_storage
 from streamer.backends.base import Opened, Storage, StoredFile
 from streamer.backends.sources import ResolvedSource, SourceArg, SourceLike, as_source
-from streamer.config import S3Config, StreamerConfig
+from streamer.config import S3Config, StreamerConfig, default_config
 from streamer.errors import MissingTensorError, SourceError, StreamerError
 from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
 
@@ -63,7 +63,7 @@ def open_checkpoint(source: SourceArg, s3_config: S3Config | None = None) -> Che
     """Resolves the source and parses every header through a storage session of its own, closed
     before returning; no tensor data is read."""
     source = as_source(source)
-    config = StreamerConfig() if s3_config is None else StreamerConfig(s3=s3_config)
+    config = default_config() if s3_config is None else StreamerConfig(s3=s3_config)
     with open_storage(source, config) as storage:
         return confirmed(storage, read_checkpoint(storage, source))
 
