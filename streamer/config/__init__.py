@@ -335,9 +335,9 @@ class StreamerConfig:
     inline_max_bytes: a run of local files into CPU memory of at most this many bytes (default
         64 MiB, ``STREAMER_INLINE_MAX_BYTES``) is read by the caller's thread and torch's intra-op
         threads, each tensor into memory of its own, without the engine's reader threads
-        (``streamer.run.inline``): on 2 cores, warm, 2-4x faster than the engine from 1.5 to
-        256 MiB, cold faster up to 64 MiB and slower from 128 MiB (``benchmarks/small_files.py
-        --sizes 1.5MiB,16MiB,64MiB,128MiB --cold``). 0 reads every run through the engine.
+        (``streamer.run.inline``): on 2 cores, 1.2-4x faster than the engine from 1.5 to 64 MiB,
+        warm and cold (``benchmarks/small_files.py --sizes 1.5MiB,16MiB,64MiB [--cold]``); larger
+        runs need the engine's queue depth cold. 0 reads every run through the engine.
     group_timeout: seconds a group load (``group=``) waits on any one collective (one round of
         pieces, default 30, ``STREAMER_GROUP_TIMEOUT``) before raising: how long the other ranks
         wait for a rank that died or stopped calling.

@@ -8,8 +8,8 @@ each tensor gets its own memory from torch's allocator (recycled by the C librar
 would be), neighbouring tensors are read with one ``preadv``, and from 4 MiB the pieces of the
 run are shared by torch's intra-op threads (its OpenMP team where it has one, already awake
 after torch's last operator; ``streamer.host.openmp``) through the engine's ``se_read_pieces``.
-Warm, in one process, on 2 cores (``benchmarks/small_files.py``): 2-4x faster than the engine
-from 1.5 to 256 MiB; cold, faster up to 64 MiB, hence the 64 MiB default.
+On 2 cores (``benchmarks/small_files.py``), 1.2-4x faster than the engine from 1.5 to 64 MiB,
+warm and cold; larger runs need the engine's queue depth cold, hence the 64 MiB default.
 A short read is the same typed error the engine gives; the file and tensor are named.
 """
 
