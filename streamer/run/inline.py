@@ -48,8 +48,9 @@ def fits_inline(refs: Sequence[TensorRef], config: StreamerConfig, *, keep_all: 
 
 
 class InlineRun:
-    """Reads ``refs`` of ``checkpoint``'s local files once, in the caller's thread; a ``Run`` for
-    the handle (``results``, ``metrics``, ``close``)."""
+    """Reads ``refs`` of ``checkpoint``'s local files once, before the first tensor is handed out,
+    on the caller's thread (and torch's intra-op threads from ``PARALLEL_MIN_BYTES``); a ``Run``
+    for the handle (``results``, ``metrics``, ``close``)."""
 
     def __init__(
         self, checkpoint: Checkpoint, refs: Sequence[TensorRef], config: StreamerConfig, *, keep_all: bool
