@@ -266,11 +266,13 @@ def test_the_collectors_show_in_the_default_registry(checkpoint: Any) -> None:
 
 
 def run_python(code: str, **env: str) -> str:
-    """Runs ``code`` in a fresh interpreter with ``env`` added; its stdout (a failure shows stderr)."""
+    """Runs ``code`` in a fresh interpreter with ``env`` added, outside the checkout (so that it
+    imports the installed package); its stdout (a failure shows stderr)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("STREAMER_", "PROMETHEUS_"))}
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=environment | env,
+        cwd="/",
         capture_output=True,
         text=True,
         timeout=120,
