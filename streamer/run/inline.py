@@ -33,7 +33,7 @@ from streamer.plan.checkpoint import Checkpoint, TensorRef
 from streamer.plan.segments import stretches
 from streamer.plan.selection import Selection, run_then_close
 
-PARALLEL_MIN_BYTES = 4 << 20  # from here a helper thread shares the reads
+PARALLEL_MIN_BYTES = 4 << 20  # from here torch's intra-op threads share the reads
 PIECE_MIN_BYTES = 512 << 10
 PIECE_MAX_BYTES = 4 << 20
 
