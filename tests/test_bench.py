@@ -216,22 +216,25 @@ def test_rounds_after_the_first_are_shuffled_so_neighbours_change(
     assert rounds == [[c.setting.knobs[0][1] for c in runner.round_order(configs, i)] for i in range(4)]
 
 
+@pytest.mark.parametrize("clock", ["load", "process"])
 def test_each_run_starts_settle_seconds_after_its_files_were_prepared(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: str
 ) -> None:
     """On a VM with free page reporting, a run right after another would find that run's freed
-    memory still backed by the host, and the next a moment later would not: each waits instead."""
+    memory still backed by the host, and the next a moment later would not: each waits instead.
+    With the load clock the child starts at once (its imports are not timed) and is told when the
+    settle ends; with the process clock the settle passes before it starts."""
     made = synthetic.generate(tmp_path, 256 * 1024, 1)
     config = runner.Config(Setting("streamer"), [str(f) for f in made.files], str(made.index))
     prepared: list[float] = []
-    started: list[float] = []
+    started: list[tuple[float, float]] = []  # (when the child started, its settle_until)
 
     def prepare(config: runner.Config, state: str) -> tuple[int, None]:
         prepared.append(time.monotonic())
         return 0, None
 
-    def child(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        started.append(time.monotonic())
+    def child(request: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        started.append((time.monotonic(), request["settle_until"]))
         return {"ok": False, "error": "not run"}
 
     monkeypatch.setattr(runner, "_prepare", prepare)
@@ -244,9 +247,30 @@ def test_each_run_starts_settle_seconds_after_its_files_were_prepared(
         streamer_api="open",
         timeout=60,
         progress=lambda _: None,
+        clock=clock,
         settle=0.2,
     )
-    assert len(started) == 3 and all(s - p >= 0.2 for p, s in zip(prepared, started, strict=True))
+    assert len(started) == 3
+    for p, (s, until) in zip(prepared, started, strict=True):
+        assert until - p >= 0.2
+        assert (s - p >= 0.2) if clock == "process" else (s - p < 0.2)
+
+
+def test_the_child_starts_its_clock_only_after_the_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from streamer_bench import child
+
+    def prepare(request: dict[str, Any]) -> Any:
+        return lambda: child.Loaded({"w": torch.ones(2)})
+
+    monkeypatch.setitem(child.PREPARERS, "streamer", prepare)
+    until = time.monotonic() + 0.3
+    result = child.time_load(
+        {"loader": "streamer", "device": "cpu", "files": [], "cache": None, "settle_until": until}
+    )
+    assert time.monotonic() >= until and result["seconds"] < 0.3
+    assert result["process_seconds"] < child._since_process_start() - 0.25  # the wait is not counted
 
 
 def test_settle_defaults_to_the_vm_s_free_page_reporting(run: dict[str, Any]) -> None:
@@ -321,7 +345,7 @@ def test_a_gpu_run_makes_the_cuda_context_before_its_clock(monkeypatch: pytest.M
     calls: list[str] = []
     monkeypatch.setattr(torch, "zeros", lambda *a, device: calls.append(f"context {device}"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device: calls.append(f"sync {device}"))
-    clock = iter([10.0, 20.0, 21.5, 30.0])
+    clock = iter([5.0, 5.0, 10.0, 20.0, 21.5, 30.0])  # settle (none asked), cache state, load
     monkeypatch.setattr(child.time, "perf_counter", lambda: next(clock))
 
     def prepare(request: dict[str, Any]) -> Any:

@@ -11,7 +11,9 @@ model's parameters would be. Imports, configuration objects and the CUDA context
 before the clock.
 Every run also reports the process clock: from the process's start (interpreter start, torch,
 this package and the loader's imports included) to the same end, less the time spent
-re-establishing the cache state: what a cold-starting server waits for.
+re-establishing the cache state and waiting out the bench's settle (``settle_until``, a
+``time.monotonic()`` deadline: the load clock starts no earlier): what a cold-starting server
+waits for.
 """
 
 from __future__ import annotations
@@ -296,6 +298,9 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
     prepared = PREPARERS[request["loader"]](request)
     if device.startswith("cuda"):
         _create_cuda_context(device)
+    settling = time.perf_counter()
+    time.sleep(max(0.0, request.get("settle_until", 0.0) - time.monotonic()))  # the parent's settle
+    settle_seconds = time.perf_counter() - settling
     reaching = time.perf_counter()
     resident = _reach(request["cache"], request["files"]) if request.get("cache") else None
     reach_seconds = time.perf_counter() - reaching
@@ -306,7 +311,7 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    process_seconds = _since_process_start() - reach_seconds
+    process_seconds = _since_process_start() - reach_seconds - settle_seconds
     usage = resource.getrusage(resource.RUSAGE_SELF)
     nbytes, count = _tensor_bytes(loaded.tensors)
     result = {
