@@ -57,11 +57,20 @@ class Interrupted(Exception):
         super().__init__(self.signal)
 
 
+class _Stop:
+    """The signal ``stopping_on_signals`` holds back while a child is being started: raised then,
+    ``Interrupted`` would leave ``subprocess.Popen`` without a handle on the child it made (it runs
+    on, orphaned); ``call_child`` raises it once the child is in hand, and kills the child."""
+
+    spawning = False
+    pending: int | None = None
+
+
 @contextlib.contextmanager
 def stopping_on_signals() -> Iterator[None]:
     """Within, the first SIGINT or SIGTERM raises ``Interrupted`` in the main thread, so a run cut
-    by Ctrl-C or ``timeout`` still reports what it measured; the child in flight is killed as the
-    exception passes through ``subprocess.run``. A second signal ends the process at once."""
+    by Ctrl-C or ``timeout`` still reports what it measured; the child in flight is killed
+    (``call_child``). A second signal ends the process at once."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return
@@ -69,9 +78,13 @@ def stopping_on_signals() -> Iterator[None]:
     def stop(signum: int, frame: object) -> None:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_DFL)
+        if _Stop.spawning:
+            _Stop.pending = signum
+            return
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    _Stop.pending = None
     try:
         yield
     finally:
@@ -108,21 +121,36 @@ def call_child(
 ) -> dict[str, Any]:
     """Runs ``streamer_bench.child`` with ``request`` in ``python`` (default: this interpreter);
     returns its result object."""
+    _Stop.spawning = True
     try:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             [python or sys.executable, "-c", _RUN_CHILD, json.dumps(request)],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env=env or child_env({}),
-            timeout=timeout,
         )
+    except BaseException:
+        _Stop.spawning = False
+        raise
+    try:
+        _Stop.spawning = False
+        if _Stop.pending is not None:
+            raise Interrupted(_Stop.pending)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         raise ChildFailed(f"no result after {timeout:.0f} s (killed)") from None
-    for line in reversed(proc.stdout.splitlines()):
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
+    for line in reversed(stdout.splitlines()):
         if line.startswith(RESULT_MARK):
             result: dict[str, Any] = json.loads(line[len(RESULT_MARK) :])
             return result
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+    tail = (stderr or stdout).strip().splitlines()[-5:]
     raise ChildFailed(f"exit status {proc.returncode}: " + " | ".join(tail))
 
 
