@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 import streamer
-from streamer.config import StreamerConfig
+from streamer.config import StreamerConfig, default_config
 from streamer.engine import native
 from streamer.host import machine as config_module
 
@@ -95,6 +95,20 @@ def test_free_page_reporting_turns_the_default_off(tmp_path: Path, monkeypatch: 
     assert StreamerConfig().hugepages is False
     monkeypatch.setenv("STREAMER_HUGEPAGES", "1")
     assert StreamerConfig().hugepages is True
+
+
+def test_a_call_without_a_config_follows_the_machine_default_as_it_is_now(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default config a call without one reuses (``streamer.config.default_config``) is built
+    again when the machine's answer for ``hugepages`` changes, not only when a variable does."""
+    monkeypatch.setattr(config_module, "BALLOON_DEVICES", str(tmp_path / "no-balloon"))
+    monkeypatch.delenv("STREAMER_HUGEPAGES", raising=False)
+    for setting, expected in [("always [madvise] never\n", True), ("always madvise [never]\n", False)]:
+        enabled = tmp_path / f"enabled-{expected}"
+        enabled.write_text(setting)
+        monkeypatch.setattr(config_module, "THP_SETTING", str(enabled))
+        assert default_config().hugepages is expected
 
 
 def _thp_mode() -> str:

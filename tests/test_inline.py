@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -27,6 +31,7 @@ from conftest import (
 
 import streamer
 from streamer import ReadError, StreamerConfig
+from streamer.engine import native
 from streamer.host import openmp
 
 
@@ -158,11 +163,20 @@ def test_a_shared_run_is_bit_exact_leaves_no_thread_and_raises_the_first_failure
         assert "OpenMP" in torch.__config__.parallel_info() and openmp.team_entry() is not None
         torch.ones(1 << 22).sum()
     assert openmp.team_threads() == torch.get_num_threads()
+    teams: list[int | None] = []
+    read_pieces = native.read_pieces
+
+    def recorded(*args: Any) -> Any:
+        teams.append(args[3])
+        return read_pieces(*args)
+
+    monkeypatch.setattr(native, "read_pieces", recorded)
     before = thread_count()
     for _ in range(3):
         with streamer.open(path) as handle:
-            assert_same_dict(dict(handle), tensors)
+            assert_same_dict(dict(iter(handle)), tensors)  # one pass: one run
             assert handle.metrics["readers"] == 0
+    assert teams == [openmp.team_entry()] * 3 and (teams[0] is None) == (team == "threads of its own")
     assert settled_thread_count(before) == before  # threads of its own are joined; a team stays torch's
     with streamer.open(path) as handle:
         os.truncate(path, path.stat().st_size - (1 << 20))  # the last float tensor is cut
@@ -170,6 +184,38 @@ def test_a_shared_run_is_bit_exact_leaves_no_thread_and_raises_the_first_failure
             list(handle)
     assert info.value.tensor == "w3" and info.value.path == str(path)
     assert settled_thread_count(before) == before
+
+
+def test_a_process_whose_torch_has_no_team_yet_is_left_without_one(
+    shared_run: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """Before torch's first parallel operator its OpenMP team does not exist, and a team call would
+    start threads that stay for the life of the process: a load then reads on threads of its own,
+    and the process has as many threads after it as before. Once torch has made its team, loads
+    use it (still without adding a thread)."""
+    path, _ = shared_run
+    code = f"""
+        import os, torch, streamer
+        from streamer.engine import native
+        from streamer.host import openmp
+        teams = []
+        read_pieces = native.read_pieces
+        native.read_pieces = lambda *a: teams.append(a[3]) or read_pieces(*a)
+        before = len(os.listdir("/proc/self/task"))
+        streamer.load_file({str(path)!r})
+        alone = len(os.listdir("/proc/self/task"))
+        torch.ones(1 << 22).sum()  # torch's first parallel operator: its team now runs
+        warmed = len(os.listdir("/proc/self/task"))
+        streamer.load_file({str(path)!r})
+        print(before, alone, warmed, len(os.listdir("/proc/self/task")), teams == [None, openmp.team_entry()])
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, cwd="/"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, alone, warmed, after, teams = done.stdout.split()
+    assert before == alone and warmed == after and teams == "True", done.stdout
+    assert int(warmed) == int(before) + torch.get_num_threads() - 1  # torch's team, not ours
 
 
 def test_a_child_forked_after_a_team_read_reads_on_threads_of_its_own(

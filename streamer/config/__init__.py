@@ -420,18 +420,19 @@ class StreamerConfig:
 
 class _EnvironmentDefault:
     """The config of calls given none: ``StreamerConfig()``, built again only when a variable that
-    some config reads was set, changed or unset since the last one, or after ``KEEP_SECONDS`` (the
-    machine facts that some defaults probe, as ``hugepages``'s, are kept that long). Building one
-    reads ~50 variables and parses ~80 fields, ~100 us: a fifth of loading a 1.5 MiB file."""
+    some config reads was set, changed or unset since the last one, when the machine's default for
+    ``hugepages`` changed, or after ``KEEP_SECONDS`` (as long as the machine facts that configs
+    probe are kept). Building one reads ~50 variables and parses ~80 fields, ~100 us: a fifth of
+    loading a 1.5 MiB file."""
 
     KEEP_SECONDS = 1.0
 
     def __init__(self) -> None:
         self._names = variables(StreamerConfig, S3Config, GCSConfig, AzureConfig, CacheConfig)
-        self._kept: tuple[tuple[tuple[str, str], ...], float, StreamerConfig] | None = None
+        self._kept: tuple[tuple[object, ...], float, StreamerConfig] | None = None
 
     def get(self) -> StreamerConfig:
-        snapshot = environment_snapshot(self._names)
+        snapshot = (*environment_snapshot(self._names), hugepages_by_default())
         now = time.monotonic()
         kept = self._kept  # one read: another thread may replace it (configs are frozen, so shared)
         if kept is not None and kept[0] == snapshot and now - kept[1] < self.KEEP_SECONDS:

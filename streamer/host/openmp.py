@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import threading
 from pathlib import Path
 
 import torch
@@ -28,6 +29,27 @@ MAPS = "/proc/self/maps"
 def team_threads() -> int:
     """Threads a team runs CPU work on: torch's intra-op parallelism (``torch.set_num_threads``)."""
     return max(1, torch.get_num_threads())
+
+
+def running_team(threads: int) -> int | None:
+    """``team_entry()`` where torch's team of ``threads`` has evidently been started: on the main
+    thread (each thread that calls into OpenMP gets a team of its own), once the process has the
+    team's ``threads - 1`` workers more than when streamer was imported (torch starts them at its
+    first parallel operator). Before that a team call would start threads that stay for the life
+    of the process, and a load would look as if it left them behind: there the caller reads on
+    threads of its own, joined before it returns. (Where torch had run a parallel operator before
+    streamer was imported, its team is not told apart: loads read on threads of their own.)"""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or process_threads() < _THREADS_AT_IMPORT + threads - 1:
+        return None
+    return team_entry()
+
+
+def process_threads() -> int:
+    """The process's threads, native ones included (``/proc/self/stat``'s num_threads; ~10 us)."""
+    with open("/proc/self/stat", "rb") as stat:
+        fields = stat.read().rsplit(b")", 1)[1].split()
+    return int(fields[17])  # field 20 of proc(5), counted after "pid (comm)"
 
 
 class _Runtime:
@@ -69,6 +91,7 @@ def _find_entry() -> int | None:
 
 
 _RUNTIME = _Runtime()
+_THREADS_AT_IMPORT = process_threads()
 os.register_at_fork(after_in_child=_RUNTIME.forget)
 team_entry = _RUNTIME.entry
 

@@ -169,7 +169,7 @@ def _read_pieces(pieces: Sequence[Piece], threads: int) -> None:
     for piece in pieces:
         table.append((piece.position, piece.fd, len(buffers), len(piece.views)))
         buffers.extend((address, length) for _, address, length in piece.views)
-    team = openmp.team_entry() if threads > 1 else None
+    team = openmp.running_team(threads) if threads > 1 else None
     failure = native.read_pieces(table, buffers, threads, team)
     if failure is not None:
         raise pieces[failure.file].error(failure)
