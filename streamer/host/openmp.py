@@ -46,9 +46,13 @@ def running_team(threads: int) -> int | None:
 
 
 def process_threads() -> int:
-    """The process's threads, native ones included (``/proc/self/stat``'s num_threads; ~10 us)."""
-    with open("/proc/self/stat", "rb") as stat:
-        fields = stat.read().rsplit(b")", 1)[1].split()
+    """The process's threads, native ones included (``/proc/self/stat``'s num_threads; ~10 us); 0
+    where there is no ``/proc`` (then no team is ever taken for running)."""
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 0
     return int(fields[17])  # field 20 of proc(5), counted after "pid (comm)"
 
 
