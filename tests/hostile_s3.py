@@ -2,8 +2,8 @@
 
 It serves objects path-style (``GET /bucket/key`` with ``Range``, ``If-Match`` honoured unless told
 otherwise) and ``ListObjectsV2`` (``GET /bucket?list-type=2``), accepting any signature. Each
-request is classified (``list``; ``header``: botocore's GETs, the header reads; ``data``: the
-streamer client's ranged GETs) and logged; ``plan`` picks a fault for it, or ``None`` for the
+request is classified (``list``; ``header``: the header reads, from byte 0; ``data``: the
+ranged GETs of the rest) and logged; ``plan`` picks a fault for it, or ``None`` for the
 right answer. A fault writes whatever it likes to the socket and says whether the connection
 stays open.
 """
@@ -206,7 +206,7 @@ class HostileS3:
         first, last = (int(match.group(1)), int(match.group(2) or 1 << 62)) if match else (0, -1)
         if "list-type" in query:
             kind = "list"
-        elif headers.get("user-agent") == "streamer":
+        elif match and first > 0:  # a header read starts at 0; data never does (the header is there)
             kind = "data"
         else:
             kind = "header"

@@ -133,7 +133,7 @@ def test_every_block_is_known_and_the_local_ones_run_as_written(
 def test_the_s3_block_runs_against_a_local_server(
     llama: tuple[Path, dict[str, torch.Tensor]], s3_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytest.importorskip("aiobotocore")
+    pytest.importorskip("botocore")
     directory, tensors = llama
     client = s3_client(s3_server, "AKIDREADME", "readme/secret")
     client.create_bucket(Bucket="bucket")

@@ -13,8 +13,10 @@ import asyncio
 import base64
 import datetime
 import gc
+import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -593,19 +595,38 @@ def test_credentials_never_leak(
         assert ACCESS_KEY not in text
 
 
-def test_credentials_from_the_environment_never_leak(
+@pytest.mark.parametrize("found_in", ["environment", "profile"])
+def test_credentials_found_by_the_chain_never_leak(
     proxy: FaultProxy,
     single: Written,
     caplog: pytest.LogCaptureFixture,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    found_in: str,
 ) -> None:
-    """Credentials boto3's chain finds (here: the environment) are masked in botocore's DEBUG logs too."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_SESSION_TOKEN", TOKEN)
+    """Credentials boto3's chain finds are never shown: the environment's (read without
+    botocore) and a profile's (botocore's chain, its DEBUG logs masked)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    profile: str | None = None
+    if found_in == "environment":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        monkeypatch.setenv("AWS_SESSION_TOKEN", TOKEN)
+    else:
+        profile = "streamer-test"
+        shared = tmp_path / "credentials"
+        shared.write_text(
+            f"[{profile}]\naws_access_key_id = {ACCESS_KEY}\n"
+            f"aws_secret_access_key = {SECRET_KEY}\naws_session_token = {TOKEN}\n"
+        )
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(shared))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     caplog.set_level(logging.DEBUG)
-    chain = s3_config(proxy.endpoint_url, access_key_id=None, secret_access_key=None, session_token=None)
+    chain = s3_config(
+        proxy.endpoint_url, access_key_id=None, secret_access_key=None, session_token=None, profile=profile
+    )
     config = StreamerConfig(concurrency=2, block_size=64 * KiB, s3=chain)
     uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
     streamer.load(uri, config=config)
@@ -613,7 +634,7 @@ def test_credentials_from_the_environment_never_leak(
     with pytest.raises(S3Error) as info:
         streamer.load(uri, config=config)
     captured = capsys.readouterr()
-    assert "botocore" in caplog.text  # DEBUG records were captured
+    assert ("botocore" in caplog.text) == (found_in == "profile")  # only the profile needs botocore
     for text in (caplog.text, captured.out, captured.err, str(info.value), repr(info.value.__dict__)):
         assert SECRET_KEY not in text and TOKEN not in text and ACCESS_KEY not in text
 
@@ -659,6 +680,43 @@ def test_import_stays_lazy() -> None:
     code = "import streamer, sys; print('aiobotocore' in sys.modules or 'botocore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
     assert out.stdout.strip() == "False"
+
+
+def test_environment_credentials_need_no_sdk(s3_server: str, single: Written) -> None:
+    """With credentials in the environment an S3 load imports no SDK at all, and works where
+    botocore (the [s3] extra, for boto3's wider chain) is not installed."""
+    import subprocess
+    import sys
+
+    uri = f"s3://{BUCKET}/single/{single.shards[0].name}"
+    code = (
+        "import importlib.abc, json, sys\n"
+        "class Absent(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('botocore', 'boto3', 'aiobotocore', 'aiohttp'):\n"
+        "            raise ModuleNotFoundError(name, name=name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        "import streamer\n"
+        f"got = streamer.load({uri!r})\n"
+        "import hashlib, torch\n"
+        "print(json.dumps({k: hashlib.sha256(v.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()\n"
+        "                  for k, v in got.items()}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "AWS_ENDPOINT_URL": s3_server,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", env=env, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    expected = reference_load(single.shards)
+    digests = {
+        k: hashlib.sha256(v.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for k, v in expected.items()
+    }
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == digests
 
 
 def test_safetensors_reference_matches_upload(s3: Any, single: Written, tmp_path: Path) -> None:

@@ -51,8 +51,8 @@ LOADERS: dict[str, LoaderInfo] = {
             "StreamerConfig(concurrency=N), S3Config(concurrency=N) for s3://",
             False,
             "streamer.load(source, device, config)",
-            ("aiobotocore", "boto3"),
-            "pip install aiobotocore boto3",
+            ("botocore", "boto3"),
+            "pip install 'streamer-weights[s3]' boto3",
         ),
         LoaderInfo(
             "safetensors",

@@ -36,13 +36,13 @@ def _s3(config: StreamerConfig) -> Storage:
 
 
 def _gcs(config: StreamerConfig) -> Storage:
-    from streamer.backends.gcs.storage import GcsStorage  # aiohttp and google-auth only then
+    from streamer.backends.gcs.storage import GcsStorage  # google-auth only then
 
     return GcsStorage(config.gcs)
 
 
 def _azure(config: StreamerConfig) -> Storage:
-    from streamer.backends.azure.storage import AzureStorage  # aiohttp and the Azure SDK only then
+    from streamer.backends.azure.storage import AzureStorage  # the Azure SDK only then
 
     return AzureStorage(config.azure)
 

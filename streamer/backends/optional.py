@@ -1,45 +1,53 @@
 """The optional dependencies of s3:// and gs:// sources, checked where they are first needed.
 
-S3 is the ``[s3]`` extra (aiobotocore, which brings botocore and aiohttp), not a dependency: a
-local-only install stays free of aiobotocore's narrow botocore pins. Opening an ``s3://`` source
-without it must say what to install, not fail deep inside with a bare ``ModuleNotFoundError``.
+Each cloud is an extra, not a dependency (S3: botocore, for boto3's credential chain, needed
+unless the credentials are explicit or in the environment, or access anonymous; GCS:
+google-auth; Azure: azure-identity and the SDK's SAS helper): a local-only install stays free of
+them. Opening a source without its extra must say what to install, not fail deep inside with a
+bare ``ModuleNotFoundError``. Only whether they are installed is checked here (not imported: an
+S3 load with explicit or environment credentials never imports botocore).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 
 from streamer.errors import ConfigError
 
-S3_MODULES = ("aiobotocore", "botocore", "aiohttp")
+S3_MODULES = ("botocore",)
 S3_INSTALL = "pip install 'streamer-weights[s3]'"
-GCS_MODULES = ("aiohttp", "google.auth", "requests")
+GCS_MODULES = ("google.auth", "requests")
 GCS_INSTALL = "pip install 'streamer-weights[gcs]'"
-AZURE_MODULES = ("aiohttp", "azure.identity", "azure.storage.blob")
+AZURE_MODULES = ("azure.identity", "azure.storage.blob")
 AZURE_INSTALL = "pip install 'streamer-weights[azure]'"
 
 
 def require_s3() -> None:
-    """Imports what S3 reads need; ``ConfigError`` naming the pip command if one is missing."""
+    """``ConfigError`` naming the pip command where what S3 reads need is not installed."""
     _require(S3_MODULES, "s3://", "S3", S3_INSTALL)
 
 
 def require_gcs() -> None:
-    """Imports what GCS reads need; ``ConfigError`` naming the pip command if one is missing."""
+    """``ConfigError`` naming the pip command where what GCS reads need is not installed."""
     _require(GCS_MODULES, "gs://", "GCS", GCS_INSTALL)
 
 
 def require_azure() -> None:
-    """Imports what Azure Blob reads need; ``ConfigError`` naming the pip command if one is missing."""
+    """``ConfigError`` naming the pip command where what Azure Blob reads need is not installed."""
     _require(AZURE_MODULES, "Azure Blob", "Azure", AZURE_INSTALL)
 
 
 def _require(modules: tuple[str, ...], scheme: str, extra: str, install: str) -> None:
     for name in modules:
         try:
-            importlib.import_module(name)
+            found = name in sys.modules or importlib.util.find_spec(name) is not None
         except ImportError as exc:
             missing = exc.name or name
+            break
+        if not found:
+            missing = name
             break
     else:
         return

@@ -1,7 +1,7 @@
 """Azure Blob reads: the shared REST object-store client (``backends/http/rest.py``) with Azure's
 part: blob URLs under the account's endpoint, the ETag rule (``If-Match`` on every data GET, and
 the ETag of every answer compared with the one the header read saw), Azure's statuses and error
-codes (``ServerBusy``, ``BlobNotFound``, ...) and XML listings. aiohttp, azure-identity and the
+codes (``ServerBusy``, ``BlobNotFound``, ...) and XML listings. azure-identity and the
 Azure SDK's SAS helper are imported only when a client is made."""
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ class AzureClient(RestObjectClient):
         try:
             self.account = account_of(config, account)
             self._authorization = Authorization(self.account, anonymous=config.anonymous)
-            self.call(self.open_session(https=self.account.endpoint.startswith("https")))
         except BaseException:
             self.close()
             raise
@@ -44,7 +43,7 @@ class AzureClient(RestObjectClient):
     def object_url(self, uri: ObjectUri, version: str | None) -> str:
         return f"{self.account.endpoint}/{quote(uri.bucket, safe='')}/{quote(uri.key)}"
 
-    async def authorization(self, uri: ObjectUri) -> tuple[dict[str, str], str]:
+    async def authorization(self, uri: ObjectUri, url: str) -> tuple[dict[str, str], str]:
         return await self._authorization.for_container(uri.bucket)
 
     def version_from(self, headers: Mapping[str, str]) -> str | None:

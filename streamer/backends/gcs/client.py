@@ -1,7 +1,7 @@
 """GCS reads: the shared REST object-store client (``backends/http/rest.py``) with GCS's part:
 the JSON API's media URLs pinned to a generation, the generation rule (every answer's
 ``x-goog-generation`` is the one the header read saw), GCS's statuses and JSON listings, and
-bearer tokens from google-auth. aiohttp and google-auth are imported only when a client is made.
+bearer tokens from google-auth. google-auth is imported only when a client is made.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ class GcsClient(RestObjectClient):
         self._endpoint = config.endpoint
         try:
             self._tokens = Tokens(anonymous=config.anonymous or config.emulated)
-            self.call(self.open_session(https=self._endpoint.startswith("https")))
         except BaseException:
             self.close()
             raise
@@ -44,7 +43,7 @@ class GcsClient(RestObjectClient):
         pinned = f"&generation={version}" if version else ""
         return f"{self._endpoint}{_gcs(uri).object_path}?alt=media{pinned}"
 
-    async def authorization(self, uri: ObjectUri) -> tuple[dict[str, str], str]:
+    async def authorization(self, uri: ObjectUri, url: str) -> tuple[dict[str, str], str]:
         return await self._tokens.header(), ""
 
     def version_from(self, headers: Mapping[str, str]) -> str | None:

@@ -148,6 +148,7 @@ class ObjectStoreClient(abc.ABC):
         self.retries = 0
         self.bytes_fetched = 0
         self.throttles = 0  # retries of a try the store refused as throttled
+        self._idle: list[Connection] = []  # the control plane's keep-alive connections
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"streamer-{store}", daemon=True)
         self._thread.start()
@@ -175,6 +176,9 @@ class ObjectStoreClient(abc.ABC):
     async def _shutdown(self) -> None:
         current = asyncio.current_task()
         await cancel_all([t for t in asyncio.all_tasks() if t is not current])
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
         await self.release()
         await asyncio.sleep(0)  # let closed transports run their connection_lost callbacks
 
@@ -350,6 +354,22 @@ class ObjectStoreClient(abc.ABC):
         finally:
             connection.close()
         return bytes(buffer)
+
+    async def plain_get(
+        self, url: str, headers: Mapping[str, str], limit: int, speed: LowSpeed
+    ) -> tuple[int, dict[str, str], bytes]:
+        """A control-plane GET (a header read, a listing page) on an idle keep-alive connection, or
+        a new one: the status, the headers and at most ``limit + 1`` body bytes."""
+        connection = self._idle.pop() if self._idle else self.connection()
+        try:
+            status, body = await connection.request(
+                Target.parse(url), headers, memoryview(bytearray(limit + 1)), speed=speed
+            )
+        except BaseException:
+            connection.close()
+            raise
+        self._idle.append(connection)  # closed by the answer, it reconnects on its next use
+        return status, connection.headers, body
 
     def connection(self) -> Connection:
         """A connection for ``fetch_into`` (one per worker; the caller closes it)."""

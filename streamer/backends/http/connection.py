@@ -1,4 +1,5 @@
-"""A keep-alive HTTP/1.1 connection that sends ranged GETs and hands each response to ``Response``."""
+"""A keep-alive HTTP/1.1 connection that sends GETs (ranged into destination memory, or the
+control plane's) and hands each response to ``Response``."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ class Connection:
         self._where: tuple[str, str, int] | None = None
         self._protocol: Response | None = None
         self._proxy: Proxy | None = None  # the proxy of the open connection
-        self.received = 0  # body bytes the last get() wrote
-        self.headers: dict[str, str] = {}  # response headers of the last get()
+        self.received = 0  # body bytes the last request wrote
+        self.status = 0  # the last request's status
+        self.headers: dict[str, str] = {}  # response headers of the last request
 
     async def get(
         self,
@@ -44,23 +46,45 @@ class Connection:
         ``received`` says how many bytes of ``dst`` count (0 unless the head was trusted).
         Every byte received (head and body) is added to ``speed``.
         """
+        end = begin + len(dst) - 1
+        await self._exchange(
+            target,
+            {"Range": f"bytes={begin}-{end}", **headers},
+            lambda protocol: protocol.start(dst, begin, size, verify, speed),
+        )
+
+    async def request(
+        self, target: Target, headers: Mapping[str, str], dst: memoryview, *, speed: LowSpeed | None = None
+    ) -> tuple[int, bytes]:
+        """A control-plane GET (a header read, a listing page): its status and at most ``len(dst)``
+        body bytes, received into ``dst`` (a body that fills it may be longer); ``headers`` then
+        holds the answer's headers."""
+        await self._exchange(target, headers, lambda protocol: protocol.start_plain(dst, speed))
+        return self.status, bytes(dst[: self.received])
+
+    async def _exchange(
+        self,
+        target: Target,
+        headers: Mapping[str, str],
+        start: Callable[[Response], asyncio.Future[None]],
+    ) -> None:
+        """Sends one GET and waits for its answer, as ``start`` set the protocol up to take it."""
         self.received = 0
+        self.status = 0
         self.headers = {}
         protocol = await self._open(target)
         assert protocol.transport is not None
-        end = begin + len(dst) - 1
         forwarder = self._proxy if target.scheme == "http" else None  # tunnels carry origin form
         lines = [
             f"GET {target.url if forwarder else target.target} HTTP/1.1",
             f"Host: {target.netloc}",
-            f"Range: bytes={begin}-{end}",
             "Accept-Encoding: identity",
             "User-Agent: streamer",
         ]
         if forwarder is not None and forwarder.authorization:
             lines.append(f"Proxy-Authorization: {forwarder.authorization}")
         lines += [f"{name}: {value}" for name, value in headers.items()]
-        done = protocol.start(dst, begin, size, verify, speed)
+        done = start(protocol)
         protocol.transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         try:
             await self._wait(protocol, done)
@@ -70,6 +94,7 @@ class Connection:
             _settle(done)
             raise
         self.received = protocol.received
+        self.status = protocol.status
         self.headers = protocol.headers
         if not protocol.keep_alive:
             self.close()

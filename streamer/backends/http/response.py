@@ -1,6 +1,8 @@
 """One HTTP/1.1 response, parsed as it arrives, its body received straight into destination
 memory: the status line and headers, the checks a success must pass before a body byte lands,
-chunked framing, and an error's body. No sockets are opened here (``connection.py``)."""
+chunked framing, and an error's body. A control-plane request (a header read, a listing page)
+takes any status and keeps at most a bound of its body. No sockets are opened here
+(``connection.py``)."""
 
 from __future__ import annotations
 
@@ -76,6 +78,22 @@ def content_length(headers: Mapping[str, str]) -> int | None:
     return int(values.pop())
 
 
+def xml_error_code(body: bytes) -> str | None:
+    """The ``<Code>`` of an XML error body (S3's, Azure's), if it has one."""
+    match = _CODE.search(body)
+    return match.group(1).decode("ascii", "replace") if match else None
+
+
+def xml_error_fields(body: bytes) -> dict[str, str]:
+    """The ``<Endpoint>`` and ``<Region>`` of an XML error body (S3's hints to a bucket elsewhere)."""
+    fields = {}
+    for name in ("Endpoint", "Region"):
+        found = re.search(rb"<" + name.encode() + rb">([^<]{1,256})</" + name.encode() + rb">", body)
+        if found:
+            fields[name] = found.group(1).decode("ascii", "replace")
+    return fields
+
+
 class Response(asyncio.BufferedProtocol):
     """One connection; reads one response at a time.
 
@@ -93,6 +111,10 @@ class Response(asyncio.BufferedProtocol):
         self._begin = 0
         self._size = 0
         self._verify: Verify | None = None
+        self._want = 0  # body bytes expected: the range asked for, or a plain answer's framing
+        self._plain = False  # a control-plane request: any status, body kept up to len(dst)
+        self._until_close = False  # a plain body without framing: it ends with the connection
+        self._cut = False  # a plain chunked body longer than dst: it ends where dst does
         self._state = _HEAD
         self._chunk_left = 0
         self._direct = False  # the last get_buffer handed out destination memory
@@ -112,9 +134,22 @@ class Response(asyncio.BufferedProtocol):
     def start(
         self, dst: memoryview, begin: int, size: int, verify: Verify, speed: LowSpeed | None
     ) -> asyncio.Future[None]:
-        loop = asyncio.get_running_loop()
+        """A ranged GET of ``len(dst)`` bytes from ``begin`` of a ``size``-byte object."""
         self._dst, self._begin, self._size, self._verify = dst, begin, size, verify
+        self._want, self._plain = len(dst), False
+        return self._start(speed)
+
+    def start_plain(self, dst: memoryview, speed: LowSpeed | None) -> asyncio.Future[None]:
+        """A control-plane GET: any final status, its body written into ``dst`` as far as it goes
+        (a body that fills ``dst`` is cut there, and the connection closed after it)."""
+        self._dst, self._begin, self._size, self._verify = dst, 0, 0, None
+        self._want, self._plain = len(dst), True
+        return self._start(speed)
+
+    def _start(self, speed: LowSpeed | None) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
         self._speed = speed
+        self._until_close = self._cut = False
         self._pending.clear()
         self._state = _HEAD
         self.received = 0
@@ -125,10 +160,6 @@ class Response(asyncio.BufferedProtocol):
         if self.closed:
             self._done.set_exception(ConnectionResetError("connection closed"))
         return self._done
-
-    @property
-    def _want(self) -> int:
-        return len(self._dst) if self._dst is not None else 0
 
     # --- BufferedProtocol ---------------------------------------------------------------------
 
@@ -142,7 +173,7 @@ class Response(asyncio.BufferedProtocol):
             left = self._want - self.received
             if self._state == _BODY and left > 0:
                 self._direct = True
-                return self._dst[self.received :]  # the body: straight into place
+                return self._dst[self.received : self._want]  # the body: straight into place
             if self._state == _CHUNK_DATA and 0 < self._chunk_left <= left:
                 self._direct = True
                 return self._dst[self.received : self.received + self._chunk_left]
@@ -166,7 +197,7 @@ class Response(asyncio.BufferedProtocol):
             if self._state == _CHUNK_DATA:
                 self._chunk_left -= nbytes
                 if self._chunk_left == 0:
-                    self._state = _CHUNK_END
+                    self._chunk_ended()
         else:
             self._pending += self._scratch[:nbytes]
         try:
@@ -233,7 +264,9 @@ class Response(asyncio.BufferedProtocol):
         self.status, self.headers = status, headers
         if headers.get("connection", "").lower() == "close" or parts[0] == "HTTP/1.0":
             self.keep_alive = False
-        if status in (200, 206):
+        if self._plain:
+            self._accept_plain(status, headers)
+        elif status in (200, 206):
             self._accept_success(status, headers)
         else:
             self._state = _ERROR
@@ -284,6 +317,31 @@ class Response(asyncio.BufferedProtocol):
             if length is None:
                 self.keep_alive = False  # close-delimited: the connection ends with the body
 
+    def _accept_plain(self, status: int, headers: Mapping[str, str]) -> None:
+        """Sets up a plain answer's body framing: chunked, a length, or until the close; a body
+        longer than the destination is cut at its end (the caller sees a full destination)."""
+        self.trusted = True
+        transfer = headers.get("transfer-encoding")
+        length = content_length(headers)
+        if status in (204, 304):
+            self._finish()
+        elif transfer is not None:
+            if transfer.strip().lower() != "chunked":
+                raise ProtocolViolation(f"an unsupported Transfer-Encoding: {transfer[:40]!r}")
+            if length is not None:
+                raise ProtocolViolation("both Transfer-Encoding and Content-Length")
+            self._state = _CHUNK_SIZE
+        elif length is not None:
+            if length > self._want:
+                self.keep_alive = False  # the rest is never read
+            self._want = min(length, self._want)
+            self._state = _BODY
+            if self._want == 0:
+                self._finish()
+        else:
+            self._until_close, self.keep_alive = True, False
+            self._state = _BODY
+
     def _take(self, n: int) -> None:
         """Moves ``n`` pending bytes into the destination."""
         assert self._dst is not None
@@ -301,8 +359,8 @@ class Response(asyncio.BufferedProtocol):
             self._take(n)
             self._chunk_left -= n
             if self._chunk_left == 0:
-                self._state = _CHUNK_END
-            return True
+                self._chunk_ended()
+            return self._running()
         if self._state == _CHUNK_END:
             if len(self._pending) < 2:
                 return False
@@ -320,7 +378,9 @@ class Response(asyncio.BufferedProtocol):
         del self._pending[: end + 2]
         if self._state == _TRAILER:
             if not line:
-                if self.received != self._want:
+                if self._plain:
+                    self._want = self.received
+                elif self.received != self._want:
                     raise ProtocolViolation(f"a chunked body of {self.received} bytes, not {self._want}")
                 self._finish()
                 return False
@@ -332,10 +392,19 @@ class Response(asyncio.BufferedProtocol):
         if size == 0:
             self._state = _TRAILER
         elif self.received + size > self._want:
-            raise ProtocolViolation("a chunked body longer than the range asked for")
+            if not self._plain:
+                raise ProtocolViolation("a chunked body longer than the range asked for")
+            self._cut, self.keep_alive = True, False  # kept up to the bound, then cut
+            self._chunk_left, self._state = self._want - self.received, _CHUNK_DATA
         else:
             self._chunk_left, self._state = size, _CHUNK_DATA
         return True
+
+    def _chunk_ended(self) -> None:
+        if self._cut:
+            self._finish()
+        else:
+            self._state = _CHUNK_END
 
     def _collect_error(self) -> None:
         body = self._pending
@@ -347,14 +416,7 @@ class Response(asyncio.BufferedProtocol):
 
     def _finish_error(self) -> None:
         body = bytes(self._pending)
-        match = _CODE.search(body)
-        code = match.group(1).decode("ascii", "replace") if match else None
-        fields = {}
-        for name in ("Endpoint", "Region"):
-            found = re.search(rb"<" + name.encode() + rb">([^<]{1,256})</" + name.encode() + rb">", body)
-            if found:
-                fields[name] = found.group(1).decode("ascii", "replace")
-        self._fail(HttpFailure(self.status, code, self.headers, fields))
+        self._fail(HttpFailure(self.status, xml_error_code(body), self.headers, xml_error_fields(body)))
 
     def _finish(self) -> None:
         if self._running():
@@ -366,7 +428,7 @@ class Response(asyncio.BufferedProtocol):
             return
         if self._state == _ERROR:
             self._finish_error()  # an error body that ran until the close
-        elif self._state == _BODY and self.received >= self._want:
+        elif self._state == _BODY and (self.received >= self._want or self._until_close):
             self._finish()
         else:
             self._fail(exc)

@@ -1,11 +1,11 @@
-"""The control plane of a store spoken to as plain REST (GCS's JSON API, Azure Blob): header fronts,
-small objects and listing pages through aiohttp on the client's loop, each request bounded and
-retried as the data path's are, and what a failure of either means.
+"""The control plane of a store spoken to as plain REST (S3, GCS's JSON API, Azure Blob): header
+fronts, small objects and listing pages through the shared client's own keep-alive connections,
+each request bounded and retried as the data path's are, and what a failure of either means.
 
 A store subclasses ``RestObjectClient`` and supplies: its object URL (``object_url``), the headers
 and query that authorise a request (``authorization``), the version an answer names
 (``version_from``), what an empty object is (``empty_object``), what a status means
-(``classify_status``) and a listing (``list_keys``). aiohttp is imported when a client is made.
+(``classify_status``) and a listing (``list_page_url``, ``parse_page``).
 """
 
 from __future__ import annotations
@@ -14,12 +14,17 @@ import abc
 import asyncio
 import ssl
 from collections.abc import Mapping
-from typing import Any
 
 from streamer.backends.http.client import Fatal, ObjectStoreClient, Retry, RetrySettings
 from streamer.backends.http.endpoint import ProxyError, Target, UnsupportedProxy
 from streamer.backends.http.objects import ObjectUri, StoredObject
-from streamer.backends.http.response import HttpFailure, ProtocolViolation, SizeChanged, content_range
+from streamer.backends.http.response import (
+    HttpFailure,
+    ProtocolViolation,
+    SizeChanged,
+    content_range,
+    xml_error_fields,
+)
 from streamer.backends.http.timing import LowSpeed
 from streamer.errors import ObjectMissingError, ObjectSourceError, ObjectStoreError
 
@@ -30,31 +35,15 @@ _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 class RestObjectClient(ObjectStoreClient):
-    """A REST object store's client: one loop thread, one aiohttp session, the shared data path."""
+    """A REST object store's client: one loop thread, its connections, the shared data path."""
 
     changed = "the object changed during the load (its version or size is not the header's)"
 
     def __init__(self, settings: RetrySettings, store: str, concurrency: int, header_bytes: int) -> None:
         super().__init__(settings, store, concurrency)
         self.header_bytes = header_bytes
-        self._session: Any = None
-
-    async def open_session(self, *, https: bool) -> None:
-        """Makes the aiohttp session (on the loop): proxies from the environment, no decompression."""
-        import aiohttp
-
-        s = self.settings
-        timeout = aiohttp.ClientTimeout(sock_connect=s.connect_timeout, sock_read=s.read_timeout)
-        ssl_option: ssl.SSLContext | bool = self._ssl_context if https else False
-        connector = aiohttp.TCPConnector(limit=max(self.concurrency, 1), ssl=ssl_option)
-        self._session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, trust_env=True, auto_decompress=False
-        )
 
     async def release(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
         await asyncio.get_running_loop().shutdown_default_executor()  # token refreshes' thread
 
     # --- what a REST store supplies ----------------------------------------------------------
@@ -64,9 +53,9 @@ class RestObjectClient(ObjectStoreClient):
         """The URL a GET of the object's bytes goes to (pinned to ``version`` where the URL can say it)."""
 
     @abc.abstractmethod
-    async def authorization(self, uri: ObjectUri) -> tuple[dict[str, str], str]:
-        """The headers and the query (``""`` or ``"a=b&..."``) that authorise a request for ``uri``
-        (an object, or a prefix being listed) now."""
+    async def authorization(self, uri: ObjectUri, url: str) -> tuple[dict[str, str], str]:
+        """The headers and the query (``""`` or ``"a=b&..."``) that authorise a GET of ``url`` for
+        ``uri`` (an object, or a prefix being listed) now."""
 
     @abc.abstractmethod
     def version_from(self, headers: Mapping[str, str]) -> str | None:
@@ -120,13 +109,11 @@ class RestObjectClient(ObjectStoreClient):
     # --- the shared client's hooks -----------------------------------------------------------
 
     async def sign(self, obj: StoredObject) -> tuple[Target, dict[str, str]]:
-        headers, query = await self.authorization(obj.uri)
         url = self.object_url(obj.uri, obj.version)
+        headers, query = await self.authorization(obj.uri, url)
         return Target.parse(_with_query(url, query)), headers
 
     def classify(self, exc: Exception) -> Retry | Fatal:
-        import aiohttp
-
         if isinstance(exc, (Retry, Fatal)):
             return exc
         if isinstance(exc, HttpFailure):
@@ -143,7 +130,7 @@ class RestObjectClient(ObjectStoreClient):
             return Fatal(str(exc))
         if isinstance(exc, ssl.SSLCertVerificationError):
             return Fatal(f"TLS failure: {type(exc).__name__}")
-        if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, OSError)):
+        if isinstance(exc, (asyncio.TimeoutError, OSError)):
             return Retry(f"connection failure: {type(exc).__name__}")
         # The type alone: a message could quote the request's URL, and a SAS is in its query.
         return Fatal(f"unexpected failure: {type(exc).__name__}")
@@ -165,27 +152,16 @@ class RestObjectClient(ObjectStoreClient):
         """One GET authorised for ``uri``: status, headers (lower-case names) and at most
         ``limit + 1`` body bytes; an error status is an ``HttpFailure`` with the store's error code."""
         self.requests += 1
-        auth, query = await self.authorization(uri)
-        request = {**headers, **auth, "Accept-Encoding": "identity"}
-        async with self._session.get(
-            _with_query(url, query), headers=request, allow_redirects=False
-        ) as answer:
-            got = {name.lower(): value for name, value in answer.headers.items()}
-            if answer.status >= 300:
-                body = await answer.content.read(ERROR_BODY_LIMIT)
-                raise HttpFailure(answer.status, self.error_code(got, body), got)
-            encoding = got.get("content-encoding", "identity").strip().lower()
-            if encoding not in ("", "identity"):
-                raise Fatal(f"the server encoded the body (Content-Encoding: {encoding[:40]})")
-            data = bytearray()
-            while len(data) <= limit:
-                chunk = await answer.content.read(min(1 << 20, limit + 1 - len(data)))
-                if not chunk:
-                    break
-                data += chunk
-                speed.moved += len(chunk)
-            self.bytes_fetched += len(data)
-            return answer.status, got, bytes(data)
+        auth, query = await self.authorization(uri, url)
+        status, got, data = await self.plain_get(_with_query(url, query), {**headers, **auth}, limit, speed)
+        if status >= 300:
+            body = data[:ERROR_BODY_LIMIT]
+            raise HttpFailure(status, self.error_code(got, body), got, xml_error_fields(body))
+        encoding = got.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise Fatal(f"the server encoded the body (Content-Encoding: {encoding[:40]})")
+        self.bytes_fetched += len(data)
+        return status, got, data
 
     def error_code(self, headers: Mapping[str, str], body: bytes) -> str | None:
         """The store's code for an error answer (none by default)."""

@@ -1,4 +1,4 @@
 """S3 on the shared object-store client (``backends/http/``), by job: ``uri`` (names),
-``classify`` (what a failure means), ``redact`` (no credential in a log), ``client`` (SigV4
-presigned GETs, the ETag rule, aiobotocore for header reads and listings), ``storage`` (the
-``Storage``)."""
+``classify`` (what an error answer means), ``sigv4`` (presigned requests), ``identity``
+(credentials and region as boto3 finds them), ``redact`` (no credential in a log), ``client``
+(URLs, the ETag rule, listings), ``storage`` (the ``Storage``)."""

@@ -1,4 +1,5 @@
-"""Credentials never reach a log: botocore's DEBUG records are masked while a client is open."""
+"""Credentials never reach a log: botocore's records (its credential chain's) are masked while a
+client is open."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ from collections.abc import Sequence
 class _Redactor(logging.Filter):
     """Masks the credentials of open clients in botocore's DEBUG records.
 
-    botocore logs the canonical request (with ``X-Amz-Security-Token``) and the prepared
-    request's headers (the access key id in ``Authorization``) at DEBUG level. The filter only
+    botocore's credential chain signs and logs requests of its own (STS for web identity and
+    roles: the canonical request, headers, response bodies) at DEBUG level. The filter only
     rewrites records that contain a credential of a client open right now; anything else passes
     unchanged, so installing it changes nothing else about those loggers.
     """
 
-    _LOGGERS = ("botocore.auth", "botocore.endpoint", "aiobotocore.endpoint")
+    _LOGGERS = (
+        "botocore.auth",
+        "botocore.endpoint",
+        "botocore.parsers",
+        "botocore.credentials",
+        "botocore.utils",
+    )
 
     def __init__(self) -> None:
         super().__init__()
