@@ -26,16 +26,15 @@ from streamer.observe.events import LoadRecord, report
 from streamer.observe.progress import ByteProgress
 from streamer.plan.checkpoint import Checkpoint, TensorRef, confirmed, read_checkpoint
 from streamer.plan.readahead import MAX_WINDOW_BYTES, KeyWalk
-from streamer.plan.slicing import Packing
 from streamer.run.assembly import new_run, new_tensor
 from streamer.run.driver import Run
 from streamer.run.inline import InlineRun
-from streamer.run.packed import PackedSink
 
 if TYPE_CHECKING:  # a group load imports them (torch.distributed alone costs ~40 ms)
     import torch.distributed as dist
 
     from streamer.group.exchange import GroupExchange
+    from streamer.plan.slicing import Packing
 
 Order = Literal["completion", "checkpoint"]
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -266,6 +265,8 @@ class Streamer:
         """The ranges of ``ref``'s tensor that ``packing`` lays out, back to back in one CPU buffer
         (uint8), read by one run of the handle's storage: how ``get_slice`` reads a shard."""
         self._check_open()
+        from streamer.run.packed import PackedSink  # get_slice's strided reads only
+
         sink = functools.partial(PackedSink, packing, hugepages=self.config.hugepages)
         run = Run(self.checkpoint, [ref], self.config, sink, ordered=False, storage=self._storage)
         self._use(run, None)

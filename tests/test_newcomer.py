@@ -284,3 +284,23 @@ def test_keeping_tensors_from_get_tensor_over_the_memory_limit_warns_as_iteratin
         with streamer.open(written.shards[0], config=config) as handle:
             for name in list(handle.keys()):
                 handle.get_tensor(name)
+
+
+def test_import_leaves_what_a_plain_load_does_not_need() -> None:
+    """``import streamer`` is a fixed cost of every load: the ring's machinery (device loads and
+    ``load_into``), get_slice's strided reads and every cloud SDK wait until a load needs them."""
+    import json
+    import subprocess
+    import sys
+
+    later = ["streamer.run.staged", "streamer.plan.slicing", "streamer.run.packed", "streamer.group.exchange"]
+    sdks = ["botocore", "aiobotocore", "aiohttp", "google.auth", "azure.identity", "torch.distributed"]
+    code = (
+        "import json, sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import streamer\n"
+        f"print(json.dumps(sorted(m for m in {later + sdks!r} if m in sys.modules and m not in before)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -49,7 +49,7 @@ def _masked_repr(config: object, secrets: tuple[str, ...]) -> str:
     return f"{type(config).__name__}({', '.join(shown)})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # its own __repr__ masks the credentials
 class S3Config:
     """How S3 sources are read. Unset credentials use boto3's standard chain (environment, shared
     profile, web identity, instance role); explicit ones are never shown by ``repr``.
@@ -183,7 +183,7 @@ class GCSConfig:
         return (self.endpoint_url or self.emulator_host or GCS_ENDPOINT).rstrip("/")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)  # its own __repr__ masks the credentials
 class AzureConfig:
     """How Azure Blob sources (``az://container/key``, ``https://<account>.blob.core.windows.net/...``)
     are read. Credentials, first found: ``sas_token``; ``account_key`` (a read-only SAS is signed

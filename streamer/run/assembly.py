@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +26,9 @@ from streamer.plan.checkpoint import Checkpoint, TensorRef
 from streamer.run.cpu import CpuSink
 from streamer.run.driver import Run
 from streamer.run.inline import InlineRun, fits_inline
-from streamer.run.staged import StagedSink, Staging
+
+if TYPE_CHECKING:
+    from streamer.run.staged import Staging
 
 
 def new_run(
@@ -60,6 +62,8 @@ def new_run(
             request_bytes=storage.read_cost.request_bytes,
         )
         return Run(checkpoint, refs, config, cpu, ordered=ordered, storage=storage)
+    from streamer.run.staged import Staging  # the ring's machinery: device loads and load_into only
+
     staging = Staging(device, engine, functools.partial(NewMemory, device), rings)
     return _staged_run(checkpoint, refs, config, staging, storage, ordered=ordered)
 
@@ -82,6 +86,8 @@ def fill(
     for name, tensor in dest.items():
         check_destination(checkpoint, name, tensor)
         by_device.setdefault(tensor.device, []).append(name)
+    from streamer.run.staged import Staging
+
     rings = RingCache()
     measured: list[dict[str, Any]] = []
     for where, names in by_device.items():
@@ -143,6 +149,8 @@ def _staged_run(
 ) -> Run:
     """A run through the ring: the staged reader count, requests and the default ring sized by
     ``storage``'s reads."""
+    from streamer.run.staged import StagedSink
+
     config = config.for_staged()
     sink = functools.partial(
         StagedSink,
