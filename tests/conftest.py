@@ -114,6 +114,13 @@ FAST_BOUNDS: dict[str, Any] = {
 }
 
 
+def s3_stored(bucket: str, key: str, size: int, version: str | None) -> Any:
+    """An S3 object as a header read saw it: how the cache's notes make S3's objects."""
+    from streamer.backends.s3.uri import ObjectInfo, S3Uri
+
+    return ObjectInfo(S3Uri(bucket, key), size, version)
+
+
 def loopback_s3_config(endpoint: str, credentials: tuple[str, str, str], **overrides: Any) -> S3Config:
     """An ``S3Config`` for a test server on 127.0.0.1: path addressing, explicit credentials
     (access key, secret, session token: sentinels the tests look for in errors), and timeouts

@@ -10,6 +10,7 @@ persistent ones fail typed; no secret appears in an error; nothing is left behin
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,7 +39,14 @@ from conftest import (
 from s3_faults import FaultProxy, any_get
 
 import streamer
-from streamer import AzureConfig, ObjectMissingError, ObjectSourceError, ObjectStoreError, StreamerConfig
+from streamer import (
+    AzureConfig,
+    CacheConfig,
+    ObjectMissingError,
+    ObjectSourceError,
+    ObjectStoreError,
+    StreamerConfig,
+)
 from streamer.errors import ConfigError, SourceError
 
 pytest.importorskip("azure.storage.blob")
@@ -273,3 +281,29 @@ def test_nothing_is_left_behind(azurite: Azurite, single: Written) -> None:
             streamer.load(f"az://{CONTAINER}/nowhere.safetensors", config=config)
     assert settled_thread_count(threads) <= threads
     assert fd_count() <= fds
+
+
+def test_the_node_cache_serves_the_next_load_and_follows_the_etag(azurite: Azurite, tmp_path: Path) -> None:
+    """With ``StreamerConfig.cache`` a load fills the node's cache, keyed by each blob's ETag; the
+    next reads every byte from it, bit-exact and without a data GET; a replaced blob is fetched
+    anew, never the old bytes."""
+    container: Any = azurite.container(CONTAINER)
+    key = "cached/model.safetensors"
+    cache = CacheConfig(dir=str(tmp_path / "cache"), chunk_bytes=64 * KiB)
+    config = dataclasses.replace(azure_config(azurite.endpoint), cache=cache)
+    before = {f"t{i}": torch.full((40 * KiB,), float(i)) for i in range(6)}
+    container.upload_blob(key, safetensors.torch.save(before), overwrite=True)
+    source = f"az://{CONTAINER}/{key}"
+    with streamer.open(source, config=config) as handle:
+        assert_same_dict(dict(iter(handle)), before)
+        first = handle.metrics
+    assert first["azure_files"] == 1 and first["cache_write_bytes"] > 0 and first["cache_errors"] == 0
+    with streamer.open(source, config=config) as handle:
+        assert_same_dict(dict(iter(handle)), before)
+        second = handle.metrics
+    assert second["requests"] == 0 and second["cache_hit_bytes"] == second["bytes"] > 0
+    after = {name: -tensor for name, tensor in before.items()}
+    container.upload_blob(key, safetensors.torch.save(after), overwrite=True)
+    with streamer.open(source, config=config) as handle:
+        assert_same_dict(dict(iter(handle)), after)
+        assert handle.metrics["cache_hit_bytes"] == 0

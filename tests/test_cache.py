@@ -36,6 +36,7 @@ from conftest import (
     random_tensor,
     reference_load,
     s3_client,
+    s3_stored,
     settled_thread_count,
     thread_count,
     write_checkpoint,
@@ -643,7 +644,7 @@ def test_a_damaged_note_is_no_note(
     assert metrics["requests"] == 0
     noted = notes.NoteOf(config.s3.endpoint_url, (prefix(s3_server),))
     assert note.stem == noted.key
-    assert notes.OpenNotes(str(tmp_path), Access()).read(noted) is not None  # noted again
+    assert notes.OpenNotes(str(tmp_path), Access(), s3_stored).read(noted) is not None  # noted again
 
 
 def test_closing_a_handle_before_s3_answers_leaves_nothing_running(

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import takes_direct_io
+from conftest import s3_stored, takes_direct_io
 
 pytest.importorskip("xxhash")
 
@@ -212,7 +212,7 @@ def test_a_note_reads_back_as_the_open_it_noted_with_each_header_whole(tmp_path:
         weight_map={"é": "s3://bucket/m/a.safetensors", "x": "s3://bucket/m/b.safetensors"},
         index_path="s3://bucket/m/model.safetensors.index.json",
     )
-    notes = OpenNotes(str(tmp_path), PRIVATE)
+    notes = OpenNotes(str(tmp_path), PRIVATE, s3_stored)
     of = NoteOf("http://127.0.0.1:9", ("s3://bucket/m/model.safetensors.index.json",))
     assert notes.read(of) is None
     (tmp_path / "opens").mkdir()
@@ -232,7 +232,7 @@ def test_no_note_of_a_front_short_of_its_header(tmp_path: Path) -> None:
     header = b'{"x": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}'
     cut = len(header).to_bytes(8, "little") + header[:10]
     short = Front(ObjectInfo(S3Uri("bucket", "k"), 200, '"e"'), cut)
-    notes = OpenNotes(str(tmp_path), PRIVATE)
+    notes = OpenNotes(str(tmp_path), PRIVATE, s3_stored)
     of = NoteOf(None, ("s3://bucket/k",))
     notes.write(of, Opened(ResolvedSource(paths=("s3://bucket/k",)), (short,)))
     assert notes.read(of) is None and not list(tmp_path.glob("opens/*"))

@@ -28,6 +28,7 @@ from conftest import (
     random_tensor,
     reference_load,
     s3_client,
+    s3_stored,
     write_checkpoint,
 )
 
@@ -152,11 +153,11 @@ def test_a_note_copied_from_another_source_is_no_note(
     of_a, of_b = (NoteOf(config.s3.endpoint_url, (s,)) for s in (source_a, source_b))
     notes = tmp_path / "opens"
     shutil.copy(notes / f"{of_b.key}.note", notes / f"{of_a.key}.note")
-    assert OpenNotes(str(tmp_path), Access()).read(of_a) is None
+    assert OpenNotes(str(tmp_path), Access(), s3_stored).read(of_a) is None
     got, metrics = load(source_a, config)
     assert_same_dict(got, reference_load(a.shards))
     assert metrics["cache_errors"] == 0 and metrics["cache_hit_bytes"] == metrics["bytes"]
-    noted = OpenNotes(str(tmp_path), Access()).read(of_a)  # noted again, as itself
+    noted = OpenNotes(str(tmp_path), Access(), s3_stored).read(of_a)  # noted again, as itself
     assert noted is not None and noted.source.paths == (source_a,)
 
 

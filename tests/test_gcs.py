@@ -11,6 +11,7 @@ token appears in any error; nothing (threads, descriptors) is left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import json
 import subprocess
@@ -40,7 +41,14 @@ from conftest import (
 from s3_faults import FaultProxy, any_get
 
 import streamer
-from streamer import GCSConfig, ObjectMissingError, ObjectSourceError, ObjectStoreError, StreamerConfig
+from streamer import (
+    CacheConfig,
+    GCSConfig,
+    ObjectMissingError,
+    ObjectSourceError,
+    ObjectStoreError,
+    StreamerConfig,
+)
 from streamer.errors import ConfigError
 
 pytest.importorskip("google.auth")
@@ -498,3 +506,36 @@ def test_a_data_answer_of_another_generation_is_refused() -> None:
             streamer.load(f"gs://{BUCKET}/m.safetensors", config=config)
     finally:
         server.close()
+
+
+# --- the node cache ------------------------------------------------------------------------------
+
+
+def test_the_node_cache_serves_the_next_load_and_follows_the_generation(
+    gcs: FakeGcs, sharded: Written, tmp_path: Path
+) -> None:
+    """With ``StreamerConfig.cache`` a load fills the node's cache, keyed by each object's
+    generation; the next (another layout) reads every byte from it, bit-exact and without a data
+    GET; a replaced object is a new generation: fetched anew, never the old bytes."""
+    cache = CacheConfig(dir=str(tmp_path / "cache"), chunk_bytes=64 * KiB)
+    config = dataclasses.replace(gcs_config(gcs.endpoint), cache=cache)
+    source, expected = f"gs://{BUCKET}/sharded/", reference_load(sharded.shards)
+    total = sum(path.stat().st_size for path in sharded.shards)
+    with streamer.open(source, config=config) as handle:
+        assert_same_dict(dict(iter(handle)), expected)
+        first = handle.metrics
+    assert first["gcs_files"] == 3 and first["cache_write_bytes"] == total and first["cache_errors"] == 0
+    with streamer.open(source, config=dataclasses.replace(config, block_size=100 * KiB)) as handle:
+        assert_same_dict(dict(iter(handle)), expected)
+        second = handle.metrics
+    assert second["requests"] == 0 and second["cache_miss_bytes"] == 0  # the note opened it
+    assert second["cache_hit_bytes"] == second["bytes"] > 0
+
+    key, uri = "cached/model.safetensors", f"gs://{BUCKET}/cached/model.safetensors"
+    before, after = {"w": torch.arange(40_000, dtype=torch.float32)}, {"w": -torch.arange(40_000.0)}
+    gcs.put(BUCKET, key, safetensors.torch.save(before))
+    assert torch.equal(streamer.load(uri, config=config)["w"], before["w"])
+    gcs.put(BUCKET, key, safetensors.torch.save(after))
+    with streamer.open(uri, config=config) as handle:
+        assert torch.equal(dict(iter(handle))["w"], after["w"])
+        assert handle.metrics["cache_hit_bytes"] == 0

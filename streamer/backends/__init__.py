@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from streamer.backends.base import Storage
 from streamer.backends.local import LocalStorage
@@ -18,33 +19,40 @@ from streamer.backends.sources import SourceLike, uri_scheme
 from streamer.config import StreamerConfig
 from streamer.errors import SourceError
 
+if TYPE_CHECKING:
+    from streamer.backends.http.storage import ObjectStorage
+
 Factory = Callable[[StreamerConfig], Storage]
 
 
 def _s3(config: StreamerConfig) -> Storage:
-    from streamer.backends.s3.storage import S3Storage  # botocore stays unimported for local loads
+    from streamer.backends.s3.storage import S3Storage
 
-    storage = S3Storage(config.s3)
-    if config.cache.dir is None:
-        return storage
-    require_cache()
-    from streamer.backends.cache.storage import CachedS3Storage, usable_directory  # xxhash only then
-
-    if not usable_directory(config.cache):
-        return storage
-    return CachedS3Storage(storage, config.cache, config.s3.endpoint_url)
+    return _cached(S3Storage(config.s3), config)
 
 
 def _gcs(config: StreamerConfig) -> Storage:
     from streamer.backends.gcs.storage import GcsStorage  # google-auth only then
 
-    return GcsStorage(config.gcs)
+    return _cached(GcsStorage(config.gcs), config)
 
 
 def _azure(config: StreamerConfig) -> Storage:
     from streamer.backends.azure.storage import AzureStorage  # the Azure SDK only then
 
-    return AzureStorage(config.azure)
+    return _cached(AzureStorage(config.azure), config)
+
+
+def _cached(storage: ObjectStorage[Any], config: StreamerConfig) -> Storage:
+    """``storage`` behind the node's cache, where ``StreamerConfig.cache`` names a usable one."""
+    if config.cache.dir is None:
+        return storage
+    require_cache()
+    from streamer.backends.cache.storage import CachedObjectStorage, usable_directory  # xxhash only then
+
+    if not usable_directory(config.cache):
+        return storage
+    return CachedObjectStorage(storage, config.cache)
 
 
 # https:// is Azure's portal form (https://<account>.blob.core.windows.net/...); other hosts are refused.

@@ -1,4 +1,5 @@
-"""The cached part of one run: each block is served chunk by chunk, from the cache or from S3.
+"""The cached part of one run: each block is served chunk by chunk, from the cache or from the
+object store (S3, GCS, Azure Blob).
 
 The cache keeps objects in chunks on a fixed grid of object offsets (``chunk_bytes``), so a later
 load of any subset, layout or TP rank finds them. Three kinds of workers serve a run:
@@ -6,17 +7,17 @@ load of any subset, layout or TP rank finds them. Three kinds of workers serve a
 - serve threads (``_SERVE_THREADS``) take the run's blocks, read their cached chunks in place
   (``ChunkStore.read_into``: O_DIRECT, every piece checked) and start a fetch for each chunk
   missing, its chunk lock taken; a block with fetches outstanding is credited by whoever settles
-  the last of them, so the thread goes on to the next block at once. At most ``s3.concurrency``
+  the last of them, so the thread goes on to the next block at once. At most ``concurrency``
   fetches are started and not landed: the serve threads run no further ahead of the GETs, and
   the locks held (a descriptor each) stay bounded however many chunks a checkpoint has;
-- fetch tasks on the S3 client's event loop (``s3.concurrency`` of them, as in the S3 feeder)
+- fetch tasks on the store client's event loop (``concurrency`` of them, as in its feeder)
   send one ranged GET per missing chunk, received straight into the block's memory when the
   block holds the chunk whole (with ``block_size`` a multiple of ``chunk_bytes``, both 8 MiB by
   default, every chunk but the one under each header: the storage asks the planner for blocks
   on that grid), else into a chunk buffer shared by every block needing part of it;
 - writer threads (``_WRITERS``) write fetched chunks to the cache from where they landed. A
   block's own memory is credited only once written (then the run may reuse it); the parts of a
-  shared chunk are copied out first. Up to ``s3.concurrency`` chunks wait for a writer or are
+  shared chunk are copied out first. Up to ``concurrency`` chunks wait for a writer or are
   being written; with all those slots taken (the disk is behind) a chunk is not cached, and
   counted: a write never holds up the GETs.
 
@@ -27,7 +28,7 @@ lock until the chunk is in place; a chunk another process holds is waited for on
 A run planned from a provisional open (``storage.py``) has a ``go_ahead``: until it is done, the
 serve threads read hits but blocks are held, not credited, and no fetch starts (the client is
 taken, and the fetch tasks started, at the first fetch); then the held blocks are credited, or
-failed with its error (the source changed, or S3 refused it).
+failed with its error (the source changed, or the store refused it).
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from streamer.backends.base import ExternalFeed, Named, tensor_at
 from streamer.backends.cache.store import ChunkBuffer, ChunkLock, ChunkStore, piece_bytes
-from streamer.backends.http.client import cancel_all
+from streamer.backends.http.client import ObjectStoreClient, cancel_all
 from streamer.backends.http.connection import Connection
-from streamer.backends.s3.client import S3Client
-from streamer.backends.s3.uri import ObjectInfo
-from streamer.config import S3Config
+from streamer.backends.http.objects import StoredObject
+from streamer.backends.http.storage import StoreSettings
 from streamer.engine import native
-from streamer.errors import S3Error, StreamerError
+from streamer.errors import ObjectStoreError, StreamerError
 
 _FILL_WAIT = 60.0  # seconds a loader waits for another process's fill before fetching itself
 # Chunks written at once: few, the disk writes fastest so (O_DIRECT, 8 MiB: 2.1 GB/s at 4, 1.7 GB/s
@@ -102,23 +102,29 @@ class _Fetch:
 
 class CacheFeed(ExternalFeed):
     """Serves the blocks of ``objects`` (engine files 0..n-1), ``idents`` their cache identities;
-    ``client`` gives the S3 client (made on first use), ``go_ahead`` is the provisional open's."""
+    ``client`` gives the store's client (made on first use), ``config`` is the store's (its
+    concurrency and load deadline), ``error_type`` its errors', ``store_name`` its name in metrics,
+    ``go_ahead`` the provisional open's."""
 
     def __init__(
         self,
-        client: Callable[[], S3Client],
-        config: S3Config,
+        client: Callable[[], ObjectStoreClient],
+        config: StoreSettings,
+        error_type: type[ObjectStoreError],
+        store_name: str,
         store: ChunkStore,
         chunk_bytes: int,
         engine: native.Engine,
-        objects: Sequence[ObjectInfo],
+        objects: Sequence[StoredObject],
         idents: Sequence[str],
         tensors: Named,
         go_ahead: Future[None] | None = None,
     ) -> None:
         super().__init__(engine, len(objects))
         self._client_of = client
-        self._client: S3Client | None = None  # taken at the first fetch
+        self._client: ObjectStoreClient | None = None  # taken at the first fetch
+        self._error_type = error_type
+        self._store_name = store_name
         self._counted = (0, 0, 0, 0)  # the client's counters then
         self._connecting = threading.Lock()
         self._config = config
@@ -195,8 +201,8 @@ class CacheFeed(ExternalFeed):
                 else:
                     self.credit(block)
 
-    def _connected(self) -> S3Client | None:
-        """The S3 client, this feed's fetch tasks started on it, once the run may go ahead; None
+    def _connected(self) -> ObjectStoreClient | None:
+        """The store's client, this feed's fetch tasks started on it, once the run may go ahead; None
         when the feed closes first. Raises the error the run may not go ahead for."""
         while not self._answered.wait(0.1):
             if self._closing.is_set():
@@ -211,7 +217,7 @@ class CacheFeed(ExternalFeed):
                 self._client = client
             return self._client
 
-    async def _start_fetchers(self, client: S3Client, concurrency: int) -> None:
+    async def _start_fetchers(self, client: ObjectStoreClient, concurrency: int) -> None:
         self._fetches = asyncio.Queue()
         self._fetchers = [asyncio.create_task(self._fetch_loop(client)) for _ in range(concurrency)]
 
@@ -313,15 +319,16 @@ class CacheFeed(ExternalFeed):
         self._release_slot(fetch)
         self._fetched(fetch, error=error)
 
-    def _failure(self, fetch: _Fetch, exc: Exception) -> S3Error:
+    def _failure(self, fetch: _Fetch, exc: Exception) -> ObjectStoreError:
         """An unexpected exception (no memory for a chunk buffer, a bug) as a typed error naming
         the object and the bytes."""
         info = self._objects[fetch.key[0]]
-        return S3Error(
+        return self._error_type(
             f"cache: unexpected failure: {type(exc).__name__}: {exc}",
             bucket=info.uri.bucket,
             key=info.uri.key,
             byte_range=(fetch.first, fetch.last),
+            scheme=info.uri.scheme,
         )
 
     def _release_slot(self, fetch: _Fetch) -> None:
@@ -371,7 +378,7 @@ class CacheFeed(ExternalFeed):
 
     # --- fetching (tasks on the client's loop) -------------------------------------------
 
-    async def _fetch_loop(self, client: S3Client) -> None:
+    async def _fetch_loop(self, client: ObjectStoreClient) -> None:
         assert self._fetches is not None
         connection = client.connection()
         try:
@@ -384,7 +391,7 @@ class CacheFeed(ExternalFeed):
         finally:
             connection.close()
 
-    async def _fetch(self, client: S3Client, connection: Connection, fetch: _Fetch) -> None:
+    async def _fetch(self, client: ObjectStoreClient, connection: Connection, fetch: _Fetch) -> None:
         info = self._objects[fetch.key[0]]
         error: StreamerError | None = self._error  # the run has failed: fetch nothing more
         if error is None:
@@ -393,7 +400,7 @@ class CacheFeed(ExternalFeed):
                     await client.fetch_into(
                         connection, info, fetch.first, fetch.last, view, until=self._until
                     )
-            except S3Error as failure:
+            except ObjectStoreError as failure:
                 error = failure
             except Exception as exc:  # a bug must still end the run, never hang it
                 error = self._failure(fetch, exc)
@@ -530,7 +537,7 @@ class CacheFeed(ExternalFeed):
         with self._mutex:
             counters = dict(self._counters)
         return {
-            "s3_files": len(self._objects),
+            f"{self._store_name}_files": len(self._objects),
             "requests": now[0] - self._counted[0],
             "retries": now[1] - self._counted[1],
             "bytes_fetched": now[2] - self._counted[2],

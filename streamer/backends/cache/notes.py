@@ -1,17 +1,18 @@
-"""What an S3 source resolved to last time, kept in the cache directory: the provisional open.
+"""What an object store's source resolved to last time, kept in the cache directory: the
+provisional open.
 
-A hit needs no byte from S3, but the open (the S3 client, the listing, a header GET per file)
-still costs ~0.4 s, mostly imports, before the first block could be read. A note lets the load
-start from what the source was last time while S3 is asked in the background: its files (bucket,
-key, size, ETag) and each file's whole header. Nothing read from it counts before S3 answers the
-same (``CachedS3Storage``, ``CacheFeed``).
+A hit needs no byte from the store, but the open (the listing, a header GET per file) still costs
+round trips before the first block could be read. A note lets the load start from what the
+source was last time while the store is asked in the background: its files (bucket, key, size,
+version: an ETag or a generation) and each file's whole header. Nothing read from it counts
+before the store answers the same (``CachedObjectStorage``, ``CacheFeed``).
 
 Layout: ``<dir>/opens/<key>.note``, ``key`` a hash of the endpoint and the source's text. A note
 is magic, the xxh3_64 of the rest, the length of a JSON description (which names the endpoint and
 source again), the description, and the headers back to back; written under a temporary name
 renamed into place (those of processes that died mid-write are removed at the next write). A note
 that is torn, foreign (another source's, copied or renamed) or unreadable is no note: the open
-goes to S3 as without one, and notes what S3 answered.
+goes to the store as without one, and notes what it answered.
 """
 
 from __future__ import annotations
@@ -21,20 +22,21 @@ import json
 import os
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
 
 from streamer.backends.base import Front, Opened
 from streamer.backends.cache.store import hashed_name, writer_alive
-from streamer.backends.s3.uri import ObjectInfo, S3Uri
+from streamer.backends.http.objects import StoredObject
 from streamer.backends.sources import ResolvedSource
 from streamer.errors import StreamerError
 from streamer.format.safetensors import header_end
 from streamer.host.safedir import Access
 
 NOTES_DIR = "opens"
-_MAGIC = b"STRMOP02"
+_MAGIC = b"STRMOP03"
 _HEAD = struct.Struct("<8sQQ")  # magic, xxh3_64 of everything after the head, JSON length
 _TMP = ".tmp."
 _MAX_BYTES = 64 << 20  # larger notes are neither written nor read (a note is read whole)
@@ -42,7 +44,8 @@ _MAX_BYTES = 64 << 20  # larger notes are neither written nor read (a note is re
 
 @dataclass(frozen=True)
 class NoteOf:
-    """What a note is of: a source given as ``texts`` (one URI, or a list of object URIs) at ``endpoint``."""
+    """What a note is of: a source given as ``texts`` (one URI, or a list of object URIs) at
+    ``endpoint`` (the store's place: ``ObjectStorage.place``)."""
 
     endpoint: str | None
     texts: tuple[str, ...]
@@ -53,13 +56,17 @@ class NoteOf:
         return hashed_name(self.endpoint or "", *self.texts)
 
 
-class OpenNotes:
-    """The notes in ``<root>/opens`` (made with ``access``); every failure to read or write one is
-    silent (no note)."""
+StoredOf = Callable[[str, str, int, "str | None"], StoredObject]  # (bucket, key, size, version)
 
-    def __init__(self, root: str, access: Access) -> None:
+
+class OpenNotes:
+    """The notes in ``<root>/opens`` (made with ``access``), of objects ``stored`` makes; every
+    failure to read or write one is silent (no note)."""
+
+    def __init__(self, root: str, access: Access, stored: StoredOf) -> None:
         self._dir = os.path.join(root, NOTES_DIR)
         self._access = access
+        self._stored = stored
 
     def read(self, of: NoteOf) -> Opened | None:
         try:
@@ -67,11 +74,11 @@ class OpenNotes:
                 data = file.read(_MAX_BYTES + 1)
         except OSError:
             return None
-        return _decode(data, of) if len(data) <= _MAX_BYTES else None
+        return _decode(data, of, self._stored) if len(data) <= _MAX_BYTES else None
 
     def write(self, of: NoteOf, opened: Opened) -> None:
         """Notes ``opened``, if every front holds its file's whole header (else there is no note:
-        a provisional open must need nothing more from S3 to be parsed)."""
+        a provisional open must need nothing more from the store to be parsed)."""
         data = _encode(opened, of)
         if data is None or len(data) > _MAX_BYTES:
             return
@@ -101,7 +108,7 @@ def _encode(opened: Opened, of: NoteOf) -> bytes | None:
     files = []
     for front in opened.fronts:
         info = front.file
-        if not isinstance(info, ObjectInfo):
+        if not isinstance(info, StoredObject):
             return None
         try:
             end = header_end(front.data, path=info.path, file_size=info.size)
@@ -110,7 +117,9 @@ def _encode(opened: Opened, of: NoteOf) -> bytes | None:
         if len(front.data) < end:
             return None
         headers.append(front.data[:end])
-        files.append({"bucket": info.uri.bucket, "key": info.uri.key, "size": info.size, "etag": info.etag})
+        files.append(
+            {"bucket": info.uri.bucket, "key": info.uri.key, "size": info.size, "version": info.version}
+        )
     source = opened.source
     description = json.dumps(
         {
@@ -127,7 +136,7 @@ def _encode(opened: Opened, of: NoteOf) -> bytes | None:
     return _HEAD.pack(_MAGIC, xxhash.xxh3_64_intdigest(body), len(description)) + body
 
 
-def _decode(data: bytes, of: NoteOf) -> Opened | None:
+def _decode(data: bytes, of: NoteOf, stored: StoredOf) -> Opened | None:
     if len(data) < _HEAD.size:
         return None
     magic, digest, length = _HEAD.unpack_from(data)
@@ -141,10 +150,10 @@ def _decode(data: bytes, of: NoteOf) -> Opened | None:
         fronts = []
         position = length
         for file, header_length in zip(description["files"], description["header_lengths"], strict=True):
-            etag = file["etag"]
-            if etag is not None and not isinstance(etag, str):
+            version = file["version"]
+            if version is not None and not isinstance(version, str):
                 return None
-            info = ObjectInfo(S3Uri(str(file["bucket"]), str(file["key"])), int(file["size"]), etag)
+            info = stored(str(file["bucket"]), str(file["key"]), int(file["size"]), version)
             fronts.append(Front(info, body[position : position + int(header_length)]))
             position += int(header_length)
         source = ResolvedSource(

@@ -1,12 +1,13 @@
-"""The S3 storage with the node's cache in front: resolving and headers go to S3 (the header GET
-gives each object's size and ETag, its identity in the cache); each run's blocks are served by a
-``CacheFeed`` from the cache where it holds them and from S3 (written through) where not.
+"""An object store's storage (S3, GCS, Azure Blob) with the node's cache in front: resolving and
+headers go to the store (the header GET gives each object's size and version, an ETag or a
+generation: its identity in the cache); each run's blocks are served by a ``CacheFeed`` from the
+cache where it holds them and from the store (written through) where not.
 
 A source opened before has a note in the cache (``notes.py``): it is opened provisionally from
-the note, at once, while a thread opens it on S3 (the client's ~0.3 s of imports and set-up, the
-listing, the header GETs), so a hit reads from the cache during S3's answer. A run's feed credits
-nothing before that answer, and only if every file the run reads is still the object S3 has:
-otherwise the run fails with ``StaleOpen`` and is planned again from the fresh open.
+the note, at once, while a thread opens it on the store (the listing, the header GETs), so a hit
+reads from the cache during the store's answer. A run's feed credits nothing before that answer,
+and only if every file the run reads is still the object the store has: otherwise the run fails
+with ``StaleOpen`` and is planned again from the fresh open.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 from streamer.backends.base import (
     Delivery,
@@ -31,7 +33,7 @@ from streamer.backends.base import (
 from streamer.backends.cache.feed import CacheFeed
 from streamer.backends.cache.notes import NOTES_DIR, NoteOf, OpenNotes
 from streamer.backends.cache.store import STORE_DIR, CacheWarning, ChunkStore, identity
-from streamer.backends.s3.storage import S3Storage, s3_object
+from streamer.backends.http.storage import ObjectStorage, stored_object
 from streamer.backends.sources import SourceLike, source_texts
 from streamer.config import CacheConfig
 from streamer.engine import native
@@ -50,7 +52,7 @@ def usable_directory(config: CacheConfig) -> bool:
     return False
 
 
-class CachedS3Storage(Storage):
+class CachedObjectStorage(Storage):
     """``inner`` with the cache ``config`` describes; the directory is opened on the first run."""
 
     # Threads copy from chunk buffers and read hits with O_DIRECT: fresh run buffers are best
@@ -59,18 +61,19 @@ class CachedS3Storage(Storage):
     # default) every block holds whole chunks, fetched and written straight from the run's memory.
     delivery = Delivery.ONE_RECEIVER_ON_GRID
 
-    def __init__(self, inner: S3Storage, config: CacheConfig, endpoint: str | None) -> None:
+    def __init__(self, inner: ObjectStorage[Any], config: CacheConfig) -> None:
         assert config.dir is not None
         self._inner = inner
         self._config = config
-        self._endpoint = endpoint
+        self._place: str | None = None  # of the last source opened
         self._store: ChunkStore | None = None
-        self._notes = OpenNotes(config.dir, config.access)
+        self._notes = OpenNotes(config.dir, config.access, inner.stored)
         self._confirmation: _Confirmation | None = None  # of the last open, if it was provisional
         self._confirmations: list[_Confirmation] = []  # every one started, joined by close()
 
     def open(self, source: SourceLike) -> Opened:
-        of = NoteOf(self._endpoint, tuple(source_texts(source)))
+        self._place = self._inner.place(source)
+        of = NoteOf(self._place, tuple(source_texts(source)))
         noted = self._notes.read(of)
         if noted is None:
             self._confirmation = None
@@ -99,13 +102,15 @@ class CachedS3Storage(Storage):
         if self._store is None:
             assert self._config.dir is not None
             self._store = ChunkStore(self._config.dir, self._config.max_bytes, self._config.access)
-        objects = [s3_object(file) for file in files]
-        idents = [identity(self._endpoint, o.uri.bucket, o.uri.key, o.size, o.etag) for o in objects]
+        objects = [stored_object(file) for file in files]
+        idents = [identity(self._place, o.uri.bucket, o.uri.key, o.size, o.version) for o in objects]
         confirmation = self._confirmation
         go_ahead = None if confirmation is None else confirmation.go_ahead(files)
         return CacheFeed(
             self._inner.client,
             self._inner.config,
+            self._inner.error_type,
+            self._inner.store,
             self._store,
             self._config.chunk_bytes,
             engine,
@@ -124,8 +129,8 @@ class CachedS3Storage(Storage):
 
 
 class _Confirmation:
-    """A provisional open (``noted``) and its confirmation by S3, on a thread of its own; a fresh
-    open that differs is given to ``note``."""
+    """A provisional open (``noted``) and its confirmation by the store, on a thread of its own; a
+    fresh open that differs is given to ``note``."""
 
     def __init__(
         self, noted: Opened, open_fresh: Callable[[], Opened], note: Callable[[Opened], None]
@@ -143,18 +148,18 @@ class _Confirmation:
             changed = None if _same(self._noted, fresh) else fresh
             if changed is not None:
                 self._note(changed)
-        except BaseException as error:  # S3's typed answer, or a bug's: whoever waits must hear it
+        except BaseException as error:  # the store's typed answer, or a bug's: whoever waits must hear it
             self._answer.set_exception(error)
             return
         self._answer.set_result(changed)
 
     def fresh(self) -> Opened | None:
-        """Waits for S3: None when the provisional open stands, else the fresh one."""
+        """Waits for the store: None when the provisional open stands, else the fresh one."""
         return self._answer.result()
 
     def go_ahead(self, files: Sequence[StoredFile]) -> Future[None]:
-        """Done once S3 has answered: with no result when every one of ``files`` (a run's, from
-        the provisional open or the fresh one) is an object S3 still has, else with the error."""
+        """Done once the store has answered: with no result when every one of ``files`` (a run's,
+        from the provisional open or the fresh one) is an object it still has, else with the error."""
         ahead: Future[None] = Future()
 
         def settle(answer: Future[Opened | None]) -> None:
@@ -164,7 +169,8 @@ class _Confirmation:
                 changed = [file for file in files if file not in current]
                 if changed:
                     error = StaleOpen(
-                        "the object changed in S3 since this node's cache noted it", path=changed[0].path
+                        "the object changed in its store since this node's cache noted it",
+                        path=changed[0].path,
                     )
             if error is None:
                 ahead.set_result(None)
@@ -179,7 +185,8 @@ class _Confirmation:
 
 
 def _same(noted: Opened, fresh: Opened) -> bool:
-    """Whether S3's open is the noted one: the same resolution, objects (size, ETag) and headers."""
+    """Whether the store's open is the noted one: the same resolution, objects (size, version) and
+    headers."""
     if noted.source != fresh.source or len(noted.fronts) != len(fresh.fronts):
         return False
     for old, new in zip(noted.fronts, fresh.fronts, strict=True):

@@ -67,9 +67,10 @@ class CacheWarning(RuntimeWarning):
     without it."""
 
 
-def identity(endpoint: str | None, bucket: str, key: str, size: int, etag: str | None) -> str:
-    """One version of an object: the SHA-256 (hex) of what names it; its chunks' directory name."""
-    return hashed_name(endpoint or "", bucket, key, str(size), etag or "")
+def identity(place: str | None, bucket: str, key: str, size: int, version: str | None) -> str:
+    """One version of an object: the SHA-256 (hex) of what names it (the store's place, bucket,
+    key, size, ETag or generation); its chunks' directory name."""
+    return hashed_name(place or "", bucket, key, str(size), version or "")
 
 
 def hashed_name(*parts: str) -> str:

@@ -11,13 +11,14 @@ A store (S3, GCS) subclasses ``ObjectStorage`` with its client; nothing here kno
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from streamer.backends import base
-from streamer.backends.http.client import ObjectStoreClient
+from streamer.backends.http.client import ObjectStoreClient, RetrySettings
 from streamer.backends.http.feeder import ObjectFeeder
 from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.sources import (
@@ -31,12 +32,27 @@ from streamer.backends.sources import (
     source_texts,
 )
 from streamer.engine import native
-from streamer.errors import ObjectMissingError, ObjectSourceError, SourceError, StreamerError, listed
+from streamer.errors import (
+    ObjectMissingError,
+    ObjectSourceError,
+    ObjectStoreError,
+    SourceError,
+    StreamerError,
+    listed,
+)
 
 _SUFFIX = ".safetensors"
 _HEADER_REQUESTS = 32  # header GETs in flight at once
 
 ClientT = TypeVar("ClientT", bound=ObjectStoreClient)
+
+
+class StoreSettings(RetrySettings, Protocol):
+    """A store's configuration (``S3Config``, ``GCSConfig``, ``AzureConfig``): its request bounds
+    and how many GETs it keeps in flight."""
+
+    @property
+    def concurrency(self) -> int: ...
 
 
 class ClientHolder(Generic[ClientT]):
@@ -62,12 +78,30 @@ class ClientHolder(Generic[ClientT]):
 
 
 class ObjectStorage(base.Storage, Generic[ClientT]):
-    """An object store's endpoint; one client, shared by the handle's runs."""
+    """An object store's endpoint; one client, shared by the handle's runs.
+
+    A store's subclass also says, for the node cache, without making a client: its settings
+    (``config``: concurrency and request bounds), its place (``place``: what, with bucket, key
+    and version, names an object anywhere), how its objects are made from a note (``stored``),
+    its error type (``error_type``) and its name in metrics (``store``: ``<store>_files``).
+    """
 
     delivery = base.Delivery.ONE_RECEIVER  # the client's event loop thread receives every byte
+    config: StoreSettings
+    error_type: type[ObjectStoreError] = ObjectStoreError
+    store: str
 
     def __init__(self, make_client: Callable[[], ClientT]) -> None:
         self._holder = ClientHolder(make_client)
+
+    @abc.abstractmethod
+    def place(self, source: SourceLike) -> str | None:
+        """The endpoint (S3), the API endpoint (GCS) or the account (Azure) ``source`` is read
+        from: what makes a bucket name one bucket."""
+
+    @abc.abstractmethod
+    def stored(self, bucket: str, key: str, size: int, version: str | None) -> StoredObject:
+        """The store's object of that name, size and version (as a header read would see it)."""
 
     def open(self, source: SourceLike) -> base.Opened:
         client = self._holder.get()

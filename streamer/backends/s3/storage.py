@@ -4,24 +4,28 @@
 
 from __future__ import annotations
 
-from streamer.backends.base import StoredFile
-from streamer.backends.http.storage import ObjectStorage, stored_object
+from streamer.backends.http.storage import ObjectStorage
 from streamer.backends.s3.client import S3Client
-from streamer.backends.s3.uri import ObjectInfo
+from streamer.backends.s3.uri import ObjectInfo, S3Uri
+from streamer.backends.sources import SourceLike
 from streamer.config import S3Config
-from streamer.errors import StreamerError
+from streamer.errors import S3Error
 
 
 class S3Storage(ObjectStorage[S3Client]):
     """An S3 endpoint as ``config`` describes it; one client, shared by the handle's runs."""
 
+    config: S3Config
+    error_type = S3Error
+    store = "s3"
+
     def __init__(self, config: S3Config) -> None:
         super().__init__(lambda: S3Client(config))
         self.config = config
 
+    def place(self, source: SourceLike) -> str | None:
+        return self.config.endpoint_url  # None: AWS
 
-def s3_object(file: StoredFile) -> ObjectInfo:
-    found = stored_object(file)
-    if not isinstance(found, ObjectInfo):
-        raise StreamerError("not an S3 object", path=file.path)  # a bug: files come from this storage
-    return found
+    def stored(self, bucket: str, key: str, size: int, version: str | None) -> ObjectInfo:
+        return ObjectInfo(S3Uri(bucket, key), size, version)
+
