@@ -42,7 +42,8 @@ def require_azure() -> None:
 def _require(modules: tuple[str, ...], scheme: str, extra: str, install: str) -> None:
     for name in modules:
         try:
-            found = name in sys.modules or importlib.util.find_spec(name) is not None
+            # sys.modules first: imported already (maybe before a privilege drop), or blocked (None)
+            found = sys.modules[name] is not None if name in sys.modules else _installed(name)
         except ImportError as exc:
             missing = exc.name or name
             break
@@ -54,6 +55,13 @@ def _require(modules: tuple[str, ...], scheme: str, extra: str, install: str) ->
     raise ConfigError(
         f"reading {scheme} sources needs the {extra} extra ({missing!r} does not import): {install}"
     )
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # a parent package imported without a spec
+        return False
 
 
 def require_cache() -> None:
