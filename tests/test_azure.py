@@ -29,6 +29,7 @@ from conftest import (
     Written,
     assert_same,
     assert_same_dict,
+    bench_report,
     fd_count,
     random_tensor,
     reference_load,
@@ -307,3 +308,25 @@ def test_the_node_cache_serves_the_next_load_and_follows_the_etag(azurite: Azuri
     with streamer.open(source, config=config) as handle:
         assert_same_dict(dict(iter(handle)), after)
         assert handle.metrics["cache_hit_bytes"] == 0
+
+
+def test_the_bench_reads_azure_sources_with_the_sdk_as_peer(azurite: Azurite, tmp_path: Path) -> None:
+    """``streamer-bench --synthetic --upload az://…``: uploaded through Azurite, then read by
+    streamer, the SDK's download + safetensors and the SDK's parallel reads (the ceiling)."""
+    pytest.importorskip("azure.storage.blob")
+    env = {"AZURE_STORAGE_CONNECTION_STRING": azurite.connection_string}
+    args = ["--synthetic", "2MiB", "--upload", f"az://{CONTAINER}/bench/", "--repeat", "1"]
+    run = bench_report(tmp_path, *args, "--loaders", "streamer,safetensors,azure_sdk,boto3", env=env)
+    doc = run["json"]
+    (section,) = doc["sections"]
+    by_loader = {r["loader"]: r for r in section["results"]}
+    assert {s["loader"] for s in doc["skipped"]} == {"boto3"}
+    files = {f["path"]: f["bytes"] for f in doc["checkpoint"]["files"]}
+    assert all(path.startswith(f"az://{CONTAINER}/bench/") for path in files)
+    for loader in ("streamer", "safetensors"):
+        assert (
+            by_loader[loader]["status"] == "ok"
+            and by_loader[loader]["bytes"] == doc["checkpoint"]["tensor_bytes"]
+        )
+    assert by_loader["azure_sdk"]["status"] == "ok" and by_loader["azure_sdk"]["bytes"] == sum(files.values())
+    assert {c["name"]: c for c in section["ceilings"]}["sdk_read"]["gbps"] is not None

@@ -31,6 +31,7 @@ from conftest import (
     Written,
     assert_same,
     assert_same_dict,
+    bench_report,
     fd_count,
     random_tensor,
     reference_load,
@@ -539,3 +540,36 @@ def test_the_node_cache_serves_the_next_load_and_follows_the_generation(
     with streamer.open(uri, config=config) as handle:
         assert torch.equal(dict(iter(handle))["w"], after["w"])
         assert handle.metrics["cache_hit_bytes"] == 0
+
+
+# --- streamer-bench ----------------------------------------------------------------------------
+
+
+def test_the_bench_reads_gcs_sources_with_the_sdk_and_run_ai_as_peers(gcs: FakeGcs, tmp_path: Path) -> None:
+    """``streamer-bench --synthetic --upload gs://…`` (what benchmarks/cloud_load.py runs): the
+    checkpoint is uploaded through the emulator, then read by streamer, the SDK's download +
+    safetensors and the SDK's parallel reads (the store's ceiling), and by Run:ai where its GCS
+    package is installed; S3's reference is not a peer of gs://."""
+    env = {
+        "STORAGE_EMULATOR_HOST": gcs.endpoint,
+        "CLOUD_STORAGE_EMULATOR_ENDPOINT": gcs.endpoint,  # Run:ai's google-cloud-cpp
+        "RUNAI_STREAMER_GCS_USE_ANONYMOUS_CREDENTIALS": "true",
+    }
+    pytest.importorskip("google.cloud.storage")
+    args = ["--synthetic", "2MiB", "--upload", f"gs://{BUCKET}/bench/", "--repeat", "1"]
+    run = bench_report(tmp_path, *args, "--loaders", "streamer,safetensors,gcs_sdk,runai,boto3", env=env)
+    doc = run["json"]
+    (section,) = doc["sections"]
+    by_loader = {r["loader"]: r for r in section["results"]}
+    skipped = {s["loader"]: s["reason"] for s in doc["skipped"]}
+    assert skipped["boto3"].startswith("s3:// sources only")
+    tensor_bytes = doc["checkpoint"]["tensor_bytes"]
+    for loader in ("streamer", "safetensors", "runai"):
+        if loader in by_loader:
+            assert by_loader[loader]["status"] == "ok" and by_loader[loader]["bytes"] == tensor_bytes, loader
+    assert "runai" in by_loader or "runai" in skipped
+    files = {f["path"]: f["bytes"] for f in doc["checkpoint"]["files"]}
+    assert all(path.startswith(f"gs://{BUCKET}/bench/") for path in files)
+    assert by_loader["gcs_sdk"]["status"] == "ok" and by_loader["gcs_sdk"]["bytes"] == sum(files.values())
+    ceilings = {c["name"]: c for c in section["ceilings"]}
+    assert ceilings["sdk_read"]["gbps"] == pytest.approx(by_loader["gcs_sdk"]["gbps"])

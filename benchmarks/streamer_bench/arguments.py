@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from streamer_bench import runner, stats
-from streamer_bench.files import is_remote
+from streamer_bench.files import SourceProblem, remote_scheme
 from streamer_bench.loaders import (
     ALL_LOADERS,
     RUNAI_DEFAULT_STRATEGY,
@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples: streamer-bench --synthetic 4GiB --cold --warm --sweep concurrency=1,4,16; "
         "AWS_ENDPOINT_URL=http://127.0.0.1:9000 streamer-bench --source s3://bucket/model/ "
         "(credentials, region and endpoint from the standard AWS variables); "
+        "STORAGE_EMULATOR_HOST=http://127.0.0.1:4443 streamer-bench --source gs://bucket/model/; "
         "vLLM cold starts per load format: streamer-bench vllm --help",
     )
     src = p.add_mutually_exclusive_group()
@@ -98,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--source",
         metavar="PATH|URI",
         help="a .safetensors file, a directory of them, or a model.safetensors.index.json; local "
-        "or on S3 (s3://bucket/prefix/, s3://bucket/key.safetensors, s3://bucket/…/index.json), "
-        "with the endpoint and credentials of the standard AWS variables",
+        "or remote (s3://bucket/prefix/, s3://bucket/key.safetensors, s3://bucket/…/index.json; "
+        "gs://… and az://… alike), with the endpoint and credentials streamer's configuration "
+        "takes from the environment (AWS_*, STORAGE_EMULATOR_HOST or GOOGLE_*, AZURE_STORAGE_*)",
     )
     src.add_argument(
         "--synthetic",
@@ -110,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=positive_int, help="files of the synthetic checkpoint (default 2)")
     p.add_argument(
         "--upload",
-        metavar="s3://BUCKET/PREFIX/",
-        help="with --synthetic: put the generated checkpoint under this S3 prefix (the endpoint and "
-        "credentials of the standard AWS variables; objects already there with the right size are "
-        "kept) and benchmark it from there",
+        metavar="URI",
+        help="with --synthetic: put the generated checkpoint under this prefix (s3://BUCKET/PREFIX/, "
+        "gs://…, az://CONTAINER/PREFIX/; the endpoint and credentials as for --source; objects "
+        "already there with the right size are kept) and benchmark it from there",
     )
     p.add_argument(
         "--keep",
@@ -273,15 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.upload is not None and (args.source is not None or not args.upload.startswith("s3://")):
-        parser.error("--upload takes an s3://bucket/prefix/ URI and goes with --synthetic, not --source")
-    remote = (args.source is not None and is_remote(args.source)) or args.upload is not None
-    if args.source is not None and remote and not args.source.startswith("s3://"):
-        parser.error(f"--source {args.source}: the only remote sources are s3://bucket/key URIs")
+    given = args.upload if args.upload is not None else args.source
+    try:
+        scheme = remote_scheme(given) if given is not None else None
+    except SourceProblem as refused:
+        parser.error(str(refused))
+    if args.upload is not None and (args.source is not None or scheme is None or given.startswith("https")):
+        parser.error("--upload takes an s3://, gs:// or az:// prefix and goes with --synthetic, not --source")
+    remote = scheme is not None
     if remote and (args.cold or args.warm):
         parser.error(
-            f"--{'cold' if args.cold else 'warm'} does not apply to an S3 source: there is no page "
-            "cache on this machine to evict or fill (S3 runs are timed in the 'remote' state)"
+            f"--{'cold' if args.cold else 'warm'} does not apply to a remote source: there is no page "
+            "cache on this machine to evict or fill (remote runs are timed in the 'remote' state)"
         )
     if args.source is not None and args.shards is not None:
         parser.error("--shards only applies to --synthetic")
@@ -290,6 +295,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install matplotlib")
     args.remote = remote
+    args.scheme = scheme
     if remote:
         args.states = ["remote"]
         args.runai_strategies = [RUNAI_DEFAULT_STRATEGY]
@@ -297,7 +303,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         if not args.cold and not args.warm:
             args.cold = args.warm = True
         args.states = [s for s, wanted in (("cold", args.cold), ("warm", args.warm)) if wanted]
-    args.loaders = args.loaders or default_loaders(remote)
+    args.loaders = args.loaders or default_loaders(scheme)
     if args.baseline is not None:
         problem = _baseline_problem(args.baseline)
         if problem is not None:

@@ -39,7 +39,8 @@ _LOCAL_READS = ("read_buffered", "read_direct")
 class Ceiling:
     """One reference figure: its best rate and how it was obtained."""
 
-    # read_buffered | read_direct | s3_ranged_get | memcpy | first_touch | first_touch_hugepage | h2d_pinned
+    # read_buffered | read_direct | s3_ranged_get | sdk_read | memcpy | first_touch |
+    # first_touch_hugepage | h2d_pinned
     name: str
     cache: str | None  # cold | warm | remote for reads, None for memory
     gbps: float | None
@@ -209,11 +210,13 @@ def storage_ceilings(
     return out
 
 
-def remote_ceilings(boto3_configs: Sequence[Config]) -> list[Ceiling]:
-    """S3 sources: the boto3 loader's best setting (bytes over its median run) as the ranged-GET
-    ceiling; the local read ceilings listed as not applicable, so a reader sees why they are absent."""
-    ceiling = Ceiling("s3_ranged_get", "remote", None, "boto3", "")
-    for config in boto3_configs:
+def remote_ceilings(scheme: str, reference_configs: Sequence[Config]) -> list[Ceiling]:
+    """Remote sources: the store's reference loader at its best setting (bytes over its median
+    run) as the ceiling (S3: boto3's ranged GETs; GCS, Azure: the SDK's parallel reads); the local
+    read ceilings listed as not applicable, so a reader sees why they are absent."""
+    tool = {"s3": "boto3", "gs": "google-cloud-storage", "az": "azure-storage-blob"}[scheme]
+    ceiling = Ceiling("s3_ranged_get" if scheme == "s3" else "sdk_read", "remote", None, tool, "")
+    for config in reference_configs:
         valid = [r for r in config.runs if r.valid and r.seconds and r.bytes]
         if not valid:
             continue
@@ -226,8 +229,8 @@ def remote_ceilings(boto3_configs: Sequence[Config]) -> list[Ceiling]:
             ceiling.gbps = value
             ceiling.detail = f"{'; '.join(valid[0].notes)}; median of {len(valid)} run(s)"
     if ceiling.gbps is None:
-        ceiling.error = "not measured: boto3 did not run (not asked for with --loaders, skipped or failed)"
-    local = "not applicable: the checkpoint is on S3, there are no local files to read"
+        ceiling.error = f"not measured: {tool} did not run (not asked for with --loaders, skipped or failed)"
+    local = f"not applicable: the checkpoint is on {scheme}://, there are no local files to read"
     return [ceiling, *(Ceiling(name, "remote", None, "none", "", error=local) for name in _LOCAL_READS)]
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamer_bench.files import is_remote
+from streamer_bench.files import remote_scheme
 
 RESULT_MARK = "@@streamer-bench@@ "
 # Comma-separated loaders, or modules a loader needs for S3, to treat as not installed (tests).
@@ -65,10 +65,16 @@ def _prepare_streamer(request: dict[str, Any]) -> Prepared:
     streamer = _module("streamer")
     source, device = request["source"], request["device"]
     concurrency = request["knobs"].get("concurrency")
+    scheme = remote_scheme(source)
     if concurrency is None:
         knob: dict[str, Any] = {}
-    elif is_remote(source):  # S3 reads are bounded by connections, not by local I/O threads
-        knob = {"s3": streamer.S3Config(concurrency=concurrency)}
+    elif scheme is not None:  # remote reads are bounded by connections, not by local I/O threads
+        section, config_type = {
+            "s3": ("s3", "S3Config"),
+            "gs": ("gcs", "GCSConfig"),
+            "az": ("azure", "AzureConfig"),
+        }[scheme]
+        knob = {section: getattr(streamer, config_type)(concurrency=concurrency)}
     else:
         knob = {"concurrency": concurrency}
     # Unlimited as streamer.load() does: everything is kept, so no limit applies.
@@ -127,19 +133,33 @@ def _prepare_safetensors(request: dict[str, Any]) -> Prepared:
     def run() -> Loaded:
         return Loaded(load(files), notes=notes)
 
-    if not is_remote(request["source"]):
+    scheme = remote_scheme(request["source"])
+    if scheme is None:
         return run
-    s3peers = _module("streamer_bench.s3peers")
-    config = _module("streamer.config").S3Config()
+    if scheme == "s3":
+        s3peers = _module("streamer_bench.s3peers")
+        s3 = s3peers.client(_module("streamer.config").S3Config(), 10)
+
+        def fetch(scratch: Path) -> list[Path]:
+            return list(s3peers.download(s3, files, scratch))
+
+        how = "boto3 download_file"
+    else:
+        cloudpeers = _module("streamer_bench.cloudpeers")
+
+        def fetch(scratch: Path) -> list[Path]:
+            return list(cloudpeers.download(scheme, files, scratch))
+
+        how = "google-cloud-storage download_to_filename" if scheme == "gs" else "azure-storage-blob readinto"
 
     def download_and_run() -> Loaded:
-        # What people do without an S3 loader: download every shard, then load the local files.
+        # What people do without a remote loader: download every shard, then load the local files.
         # The scratch directory goes away after the clock, with the Loaded object.
         scratch = tempfile.TemporaryDirectory(prefix="streamer-bench-download-")
-        paths = s3peers.download(s3peers.client(config, 10), files, Path(scratch.name))
+        paths = fetch(Path(scratch.name))
         return Loaded(
             load([str(p) for p in paths]),
-            notes=[f"boto3 download_file to {scratch.name} first", *notes],
+            notes=[f"{how} to {scratch.name} first", *notes],
             keepalive=scratch,
         )
 
@@ -232,6 +252,24 @@ def _prepare_boto3(request: dict[str, Any]) -> Prepared:
     return run
 
 
+def _prepare_cloud_sdk(request: dict[str, Any]) -> Prepared:
+    """google-cloud-storage or azure-storage-blob reading every object in parallel (``cloudpeers``)."""
+    cloudpeers = _module("streamer_bench.cloudpeers")
+    scheme = remote_scheme(request["source"])
+    connections = request["knobs"].get("concurrency") or 16
+    torch = _module("torch")
+
+    def run() -> Loaded:
+        buffers = cloudpeers.read(scheme, request["files"], connections)
+        objects = {
+            uri: torch.frombuffer(b, dtype=torch.uint8)
+            for uri, b in zip(request["files"], buffers, strict=True)
+        }
+        return Loaded(objects, notes=[f"{connections} threads"], keepalive=buffers)
+
+    return run
+
+
 PREPARERS: dict[str, Callable[[dict[str, Any]], Prepared]] = {
     "streamer": _prepare_streamer,
     "safetensors": _prepare_safetensors,
@@ -240,6 +278,8 @@ PREPARERS: dict[str, Callable[[dict[str, Any]], Prepared]] = {
     "instanttensor": _prepare_instanttensor,
     "tensorizer": _prepare_tensorizer,
     "boto3": _prepare_boto3,
+    "gcs_sdk": _prepare_cloud_sdk,
+    "azure_sdk": _prepare_cloud_sdk,
 }
 
 
@@ -342,8 +382,8 @@ def _importable(module: str, hidden: set[str]) -> bool:
 
 
 def probe(request: dict[str, Any]) -> dict[str, Any]:
-    """Which loaders import here, their versions and features (``s3_missing``: the modules for
-    s3:// that do not import), and what CUDA offers."""
+    """Which loaders import here, their versions and features (``remote_missing``: the modules
+    the source's store needs that do not import), and what CUDA offers."""
     from importlib import metadata
 
     hidden = {h.strip() for h in os.environ.get(HIDE_ENV, "").split(",") if h.strip()}
@@ -370,8 +410,8 @@ def probe(request: dict[str, Any]) -> dict[str, Any]:
             entry["reason"] = f"import failed: {exc!r}"[:500]
             continue
         entry["available"] = True
-        entry["features"]["s3_missing"] = [
-            m for m in request["s3_modules"].get(name, []) if not _importable(m, hidden)
+        entry["features"]["remote_missing"] = [
+            m for m in request["remote_modules"].get(name, []) if not _importable(m, hidden)
         ]
         entry["version"] = getattr(mod, "__version__", None)
         for dist in request["distributions"].get(name, []):

@@ -101,25 +101,37 @@ def obtain_checkpoint(
     }
     if args.upload is None:
         return resolve(str(made.index)), info
-    from streamer.config import S3Config
-    from streamer_bench import s3peers
-
     progress(f"uploading the checkpoint to {args.upload} (objects of the right size are kept)")
     try:
-        uris = s3peers.upload(s3peers.client(S3Config(), 10), [*made.files, made.index], args.upload)
+        uris = _upload(args.scheme, [*made.files, made.index], args.upload)
     except Exception as exc:  # the endpoint, the credentials or the bucket: say which, briefly
         raise SourceUnreachable(f"uploading to {args.upload} failed: {type(exc).__name__}: {exc}") from None
     return resolve(uris[-1]), info
 
 
-def probe(remote: bool) -> dict[str, Any]:
-    """What is installed, probed in a child like the runs; the S3 modules only for S3 sources."""
-    s3_modules = {name: LOADERS[name].s3_modules or () for name in ALL_LOADERS} if remote else {}
+def _upload(scheme: str, files: list[Path], prefix: str) -> list[str]:
+    if scheme == "s3":
+        from streamer.config import S3Config
+        from streamer_bench import s3peers
+
+        return s3peers.upload(s3peers.client(S3Config(), 10), files, prefix)
+    from streamer_bench import cloudpeers
+
+    return cloudpeers.upload(scheme, files, prefix)
+
+
+def probe(scheme: str | None) -> dict[str, Any]:
+    """What is installed, probed in a child like the runs; a store's modules only for its sources."""
+    remote_modules = {
+        name: LOADERS[name].remote[scheme].modules
+        for name in ALL_LOADERS
+        if scheme is not None and scheme in LOADERS[name].remote
+    }
     result = runner.call_child(
         {
             "action": "probe",
             "modules": {name: LOADERS[name].module for name in ALL_LOADERS},
-            "s3_modules": s3_modules,
+            "remote_modules": remote_modules,
             "distributions": DISTRIBUTIONS,
         },
         timeout=600,
@@ -145,13 +157,14 @@ def tensorizer_file(checkpoint: CheckpointFiles, workdir: Path, progress: Progre
     return str(out)
 
 
-def _source_mismatch(name: str, remote: bool) -> str | None:
+def _source_mismatch(name: str, scheme: str | None) -> str | None:
     """Why loader ``name`` cannot read this kind of source, if it cannot."""
     info = LOADERS[name]
-    if remote and info.s3_modules is None:
-        return "local files only"
-    if not remote and info.s3_only:
-        return "S3 sources only (a ceiling of S3 endpoints; local sources get the read ceilings)"
+    if info.reference_of is not None and scheme != info.reference_of:
+        own = "the store's own reads; local sources get the read ceilings"
+        return f"{info.reference_of}:// sources only ({own})"
+    if scheme is not None and scheme not in info.remote:
+        return "local files only" if not info.remote else f"not {scheme}:// sources"
     return None
 
 
@@ -168,7 +181,7 @@ def plan(
     skipped: list[dict[str, str | None]] = []
     for name in args.loaders:
         info, state = LOADERS[name], probed["loaders"][name]
-        mismatch = _source_mismatch(name, checkpoint.remote)
+        mismatch = _source_mismatch(name, checkpoint.scheme)
         if mismatch is not None:
             skipped.append({"loader": name, "reason": mismatch, "install": None})
             continue
@@ -179,10 +192,10 @@ def plan(
         if not state["available"]:
             skipped.append({"loader": name, "reason": state["reason"], "install": info.pip})
             continue
-        missing = state["features"].get("s3_missing")
-        if checkpoint.remote and missing:
-            reason = f"S3 support not installed ({', '.join(missing)} does not import)"
-            skipped.append({"loader": name, "reason": reason, "install": info.s3_pip})
+        missing = state["features"].get("remote_missing")
+        if checkpoint.scheme is not None and missing:
+            reason = f"{checkpoint.scheme}:// support not installed ({', '.join(missing)} does not import)"
+            skipped.append({"loader": name, "reason": reason, "install": info.remote[checkpoint.scheme].pip})
             continue
         backends = list(args.safetensors_backends)
         if name == "safetensors" and not state["features"].get("pread_backend"):
@@ -248,7 +261,10 @@ def run_sections(
                 prune_after=args.prune_after,
             )
             if args.ceilings and state == "remote":
-                found = ceilings.remote_ceilings([c for c in configs if c.setting.loader == "boto3"])
+                found = ceilings.remote_ceilings(
+                    checkpoint.scheme or "s3",
+                    [c for c in configs if LOADERS[c.setting.loader].reference_of == checkpoint.scheme],
+                )
         except runner.Interrupted as stop:
             stop.during = f"{state} runs"
             if any(c.runs for c in configs):
@@ -312,7 +328,7 @@ def document(
         "machine": facts(
             None if checkpoint.remote else checkpoint.files[0],
             probed,
-            s3_endpoint() if checkpoint.remote else None,
+            s3_endpoint() if checkpoint.scheme == "s3" else None,
         ),
         "checkpoint": {
             "source": checkpoint.source,
@@ -377,7 +393,7 @@ def _bench(args: argparse.Namespace, argv: Sequence[str] | None, progress: Progr
     """Everything after the arguments: the checkpoint, the runs, the report and its files."""
     with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:
         workdir = Path(tmp)
-        probed = probe(args.remote)
+        probed = probe(args.scheme)
         if args.device.startswith("cuda") and not probed["cuda"]["available"]:
             args.parser.error(f"--device {args.device}: torch reports no CUDA device here")
         try:

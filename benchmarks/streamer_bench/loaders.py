@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ALL_LOADERS = ("streamer", "safetensors", "runai", "fastsafetensors", "instanttensor", "tensorizer", "boto3")
+ALL_LOADERS = (
+    "streamer", "safetensors", "runai", "fastsafetensors", "instanttensor", "tensorizer",
+    "boto3", "gcs_sdk", "azure_sdk",
+)  # fmt: skip
+# Remote sources by scheme: s3://, gs://, and Azure Blob (az://, or the portal's https:// URLs).
+SCHEMES = ("s3", "gs", "az")
 # streamer as another interpreter has it installed (--baseline PYTHON, e.g. the previous commit's
 # venv), run like a peer so that an A/B of two versions is paired by round in one run.
 BASELINE = "baseline"
@@ -22,7 +27,17 @@ CONTROLLED_ENV = (
     "RUNAI_STREAMER_FS_STRATEGY",
     "STREAMER_CONCURRENCY",
     "STREAMER_S3_CONCURRENCY",
+    "STREAMER_GCS_CONCURRENCY",
+    "STREAMER_AZURE_CONCURRENCY",
 )
+
+
+@dataclass(frozen=True)
+class RemoteSupport:
+    """What a loader needs to read one store's sources: modules that must import, and their install."""
+
+    modules: tuple[str, ...]
+    pip: str | None
 
 
 @dataclass(frozen=True)
@@ -35,10 +50,8 @@ class LoaderInfo:
     concurrency_knob: str | None  # what --sweep concurrency sets, in words
     cuda_only: bool
     description: str
-    # S3 sources: the extra modules reading s3:// needs (None: local files only) and their install
-    s3_modules: tuple[str, ...] | None = None
-    s3_pip: str | None = None
-    s3_only: bool = False  # a reference for S3 sources, not a loader of local files
+    remote: dict[str, RemoteSupport] = field(default_factory=dict)  # by scheme; none: local files only
+    reference_of: str | None = None  # a store's reference (its SDK's reads), not a loader of local files
 
 
 LOADERS: dict[str, LoaderInfo] = {
@@ -48,11 +61,14 @@ LOADERS: dict[str, LoaderInfo] = {
             "streamer",
             "streamer",
             "pip install streamer-weights",
-            "StreamerConfig(concurrency=N), S3Config(concurrency=N) for s3://",
+            "StreamerConfig(concurrency=N); S3Config, GCSConfig, AzureConfig(concurrency=N) remote",
             False,
             "streamer.load(source, device, config)",
-            ("botocore", "boto3"),
-            "pip install 'streamer-weights[s3]' boto3",
+            {
+                "s3": RemoteSupport(("boto3",), "pip install boto3"),  # boto3: the bench's uploads
+                "gs": RemoteSupport(("google.auth",), "pip install 'streamer-weights[gcs]'"),
+                "az": RemoteSupport(("azure.identity",), "pip install 'streamer-weights[azure]'"),
+            },
         ),
         LoaderInfo(
             "safetensors",
@@ -61,9 +77,12 @@ LOADERS: dict[str, LoaderInfo] = {
             None,
             False,
             "safetensors.torch.load_file per shard; mmap views cloned into owned memory; "
-            "s3://: boto3 download_file of each shard to $TMPDIR first (timed)",
-            ("boto3",),
-            "pip install boto3",
+            "remote: the store's SDK downloads each shard to $TMPDIR first (timed)",
+            {
+                "s3": RemoteSupport(("boto3",), "pip install boto3"),
+                "gs": RemoteSupport(("google.cloud.storage",), "pip install google-cloud-storage"),
+                "az": RemoteSupport(("azure.storage.blob",), "pip install azure-storage-blob"),
+            },
         ),
         LoaderInfo(
             "runai",
@@ -72,8 +91,13 @@ LOADERS: dict[str, LoaderInfo] = {
             "RUNAI_STREAMER_CONCURRENCY=N",
             False,
             "SafetensorsStreamer.stream_files(all shards) + get_tensors()",
-            ("runai_model_streamer_s3",),
-            "pip install runai-model-streamer-s3",
+            {
+                "s3": RemoteSupport(("runai_model_streamer_s3",), "pip install runai-model-streamer-s3"),
+                "gs": RemoteSupport(("runai_model_streamer_gcs",), "pip install runai-model-streamer-gcs"),
+                "az": RemoteSupport(
+                    ("runai_model_streamer_azure",), "pip install runai-model-streamer-azure"
+                ),
+            },
         ),
         LoaderInfo(
             "fastsafetensors",
@@ -106,9 +130,28 @@ LOADERS: dict[str, LoaderInfo] = {
             "N connections (threads)",
             False,
             "plain boto3 16 MiB ranged GETs into fresh anonymous memory: the S3 ceiling, not a loader",
-            (),
-            None,
-            s3_only=True,
+            {"s3": RemoteSupport((), None)},
+            reference_of="s3",
+        ),
+        LoaderInfo(
+            "gcs_sdk",
+            "google.cloud.storage",
+            "pip install google-cloud-storage",
+            "N threads",
+            False,
+            "google-cloud-storage download_as_bytes of 16 MiB ranges on N threads into fresh memory",
+            {"gs": RemoteSupport((), None)},
+            reference_of="gs",
+        ),
+        LoaderInfo(
+            "azure_sdk",
+            "azure.storage.blob",
+            "pip install azure-storage-blob",
+            "max_concurrency=N",
+            False,
+            "azure-storage-blob download_blob(max_concurrency=N).readinto fresh memory",
+            {"az": RemoteSupport((), None)},
+            reference_of="az",
         ),
     )
 }
@@ -178,7 +221,7 @@ def settings_for(
     return [Setting(loader, level) for level in levels]
 
 
-def default_loaders(remote: bool) -> list[str]:
-    """``--loaders`` when not given: every loader, and the boto3 reference for S3 sources only
-    (local sources have their own read ceilings)."""
-    return [name for name in ALL_LOADERS if remote or not LOADERS[name].s3_only]
+def default_loaders(scheme: str | None) -> list[str]:
+    """``--loaders`` when not given: every loader, and a store's SDK reference for its own sources
+    only (local sources have their own read ceilings)."""
+    return [name for name in ALL_LOADERS if LOADERS[name].reference_of in (None, scheme)]

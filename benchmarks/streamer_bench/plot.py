@@ -39,6 +39,8 @@ def plot(document: dict[str, Any], path: Path) -> None:
         "instanttensor": "tab:purple",
         "tensorizer": "tab:brown",
         "boto3": "tab:gray",
+        "gcs_sdk": "tab:gray",
+        "azure_sdk": "tab:gray",
         "baseline": "lightsteelblue",
     }
     line_style = {  # one look per ceiling, the same in every panel
@@ -49,6 +51,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         "first_touch_hugepage": ("tab:pink", "-."),
         "h2d_pinned": ("darkgoldenrod", ":"),
         "s3_ranged_get": ("black", "--"),
+        "sdk_read": ("black", "--"),
     }
     for ax, sec in zip(axes[0], sections, strict=False):
         best = sec["best"]

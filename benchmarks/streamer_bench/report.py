@@ -335,7 +335,8 @@ def render(document: dict[str, Any]) -> str:
             out.append(f"-- {sec['cache']}: stopped: {sec['stopped']}")
         if sec["ceilings"]:
             what = (
-                "S3 ceiling (plain boto3 ranged GETs through the same endpoint, its best setting)"
+                "store ceiling (the store's own parallel reads through the same endpoint: boto3's "
+                "ranged GETs for S3, the SDK's for GCS and Azure; its best setting)"
                 if sec["cache"] == "remote"
                 else "storage ceilings (sequential read of the same files, best median of 1..8 jobs)"
             )
