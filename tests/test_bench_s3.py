@@ -111,7 +111,7 @@ def test_one_object_resolves_to_itself(checkpoint: synthetic.Synthetic) -> None:
         ("s3://no-such-bucket/model/", "NoSuchBucket"),
         (f"s3://{BUCKET}/model/missing.safetensors", "404"),
         (f"s3://{BUCKET}/empty/", "no *.safetensors object"),
-        ("gs://bucket/model/", "s3://bucket/key"),
+        ("ftp://bucket/model/", "gs://bucket/key"),
     ],
 )
 def test_missing_or_empty_sources_are_source_problems(source: str, says: str) -> None:
