@@ -278,7 +278,7 @@ def _ceiling_line(c: dict[str, Any]) -> str:
 _STATES = {  # each section's heading: what was true before every run
     "cold": "== cold cache: page cache evicted and verified empty (mincore) before every run",
     "warm": "== warm cache: files fully resident in the page cache (verified) before every run",
-    "remote": "== remote: objects read from S3 in every run; nothing on this machine to evict "
+    "remote": "== remote: objects read from the store in every run; nothing on this machine to evict "
     "(the server side may cache)",
 }
 
