@@ -296,7 +296,7 @@ def test_settle_defaults_to_the_vm_s_free_page_reporting(run: dict[str, Any]) ->
         ["--source", "a.safetensors", "--synthetic", "1GiB"],
         ["--source", "s3://bucket/model", "--cold"],
         ["--source", "s3://bucket/model", "--warm"],
-        ["--source", "gs://bucket/model"],
+        ["--source", "ftp://bucket/model"],
         ["--source", "model.safetensors", "--shards", "3"],
         ["--safetensors-backends", "zip"],
         ["--baseline", "/nonexistent/bin/python"],
