@@ -291,7 +291,8 @@ def test_the_node_cache_serves_the_next_load_and_follows_the_etag(azurite: Azuri
     container: Any = azurite.container(CONTAINER)
     key = "cached/model.safetensors"
     cache = CacheConfig(dir=str(tmp_path / "cache"), chunk_bytes=64 * KiB)
-    config = dataclasses.replace(azure_config(azurite.endpoint), cache=cache)
+    # Write slots (one per GET in flight) for every chunk: none is dropped for a disk behind.
+    config = dataclasses.replace(azure_config(azurite.endpoint, concurrency=32), cache=cache)
     before = {f"t{i}": torch.full((40 * KiB,), float(i)) for i in range(6)}
     container.upload_blob(key, safetensors.torch.save(before), overwrite=True)
     source = f"az://{CONTAINER}/{key}"

@@ -519,7 +519,8 @@ def test_the_node_cache_serves_the_next_load_and_follows_the_generation(
     generation; the next (another layout) reads every byte from it, bit-exact and without a data
     GET; a replaced object is a new generation: fetched anew, never the old bytes."""
     cache = CacheConfig(dir=str(tmp_path / "cache"), chunk_bytes=64 * KiB)
-    config = dataclasses.replace(gcs_config(gcs.endpoint), cache=cache)
+    # Write slots (one per GET in flight) for every chunk: none is dropped for a disk behind.
+    config = dataclasses.replace(gcs_config(gcs.endpoint, concurrency=32), cache=cache)
     source, expected = f"gs://{BUCKET}/sharded/", reference_load(sharded.shards)
     total = sum(path.stat().st_size for path in sharded.shards)
     with streamer.open(source, config=config) as handle:
