@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
-"""The node cache in front of S3 (``StreamerConfig.cache``): second start against first, against
-the same checkpoint as plain local files, and against Run:ai's S3 loader, paired by round.
+"""The node cache in front of an object store (``StreamerConfig.cache``): second start against
+first, against the same checkpoint as plain local files, and against Run:ai's loader of the
+store, paired by round. S3 first, and ``gs://`` and ``az://`` sources alike (the endpoint and
+credentials from the environment, as ``streamer-bench --source`` takes them).
 
     python benchmarks/s3_cache.py --local DIR --source s3://bench/ckpt-4GiB-2/ --repeat 5
+    STORAGE_EMULATOR_HOST=http://127.0.0.1:4443 python benchmarks/s3_cache.py --local DIR \
+        --source gs://bench/ckpt-1GiB-2/ --settings "local cold,hit cold"
 
 ``DIR`` holds the checkpoint's files, ``--source`` the same files in a bucket (``s3_load.py
 --keep DIR`` generates and uploads both; point ``AWS_ENDPOINT_URL`` at the shaped endpoint).
@@ -15,7 +19,8 @@ Every round runs, shuffled after the first (``runner.round_order``), each in a f
                    second start on a node whose page cache has moved on);
   - "fill":        streamer from S3 into an emptied cache (the first start);
   - "no cache":    streamer from S3 without a cache;
-  - "runai s3":    Run:ai's S3 loader, when ``runai_model_streamer_s3`` is installed.
+  - "runai s3":    Run:ai's loader of the source's store, when its package is installed
+                   (``runai_model_streamer_s3``, ``_gcs``, ``_azure``).
 
 ``--settings`` runs some of them: a hit makes no data GET, so its comparison with local files
 may use an endpoint that serves GETs slower than the one the fill is measured against.
@@ -31,6 +36,7 @@ fixed cost that a larger checkpoint spreads thinner.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import statistics
@@ -42,6 +48,11 @@ from streamer_bench import runner, stats
 from streamer_bench.units import nonnegative_seconds
 
 CACHE_COUNTERS = ("cache_hit_bytes", "cache_miss_bytes", "cache_write_bytes")
+RUNAI_PACKAGES = {
+    "s3": "runai_model_streamer_s3",
+    "gs": "runai_model_streamer_gcs",
+    "az": "runai_model_streamer_azure",
+}
 SETTINGS = ("local cold", "hit cold", "fill", "no cache", "runai s3")
 RATIOS = (  # (numerator, denominator, what a ratio above 1 means)
     ("local cold", "hit cold", "hit faster than local files"),
@@ -121,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--local", type=Path, required=True, help="the checkpoint's directory")
-    parser.add_argument("--source", required=True, help="the same files in S3: s3://bucket/prefix/")
+    parser.add_argument(
+        "--source", required=True, help="the same files in a store: s3://bucket/prefix/ (or gs://, az://)"
+    )
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/streamer-cache-bench"))
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument(
@@ -144,12 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = list(args.settings)
     if "hit cold" in settings:
         fill_completely(args.source, full)
-    try:
-        import runai_model_streamer_s3  # noqa: F401
-    except ImportError:
-        if "runai s3" in settings:
-            settings.remove("runai s3")
-            print("runai_model_streamer_s3 is not installed: no Run:ai figures", flush=True)
+    runai_package = RUNAI_PACKAGES[args.source.partition("://")[0]]
+    if importlib.util.find_spec(runai_package) is None and "runai s3" in settings:
+        settings.remove("runai s3")
+        print(f"{runai_package} is not installed: no Run:ai figures", flush=True)
 
     seconds: dict[str, dict[int, float]] = {s: {} for s in settings}
     run_seconds: dict[str, dict[int, float]] = {s: {} for s in settings if s != "runai s3"}
