@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from streamer.backends.azure.uri import AzureUri
 from streamer.backends.gcs.uri import GcsUri
 from streamer.backends.http.objects import ObjectUri
 from streamer.config import AzureConfig, GCSConfig
+from streamer_bench.parallel import on_threads
 
 MiB = 1 << 20
 RANGE_BYTES = 16 * MiB  # per GET, as the boto3 reference
@@ -116,7 +116,7 @@ def _gcs_read(uris: Sequence[str], connections: int) -> list[mmap.mmap]:
             raise OSError(f"{blob.name}: {len(data)} bytes for the range {begin}-{end - 1}")
         view[begin:end] = data
 
-    _on_threads(jobs, one, connections)
+    on_threads(jobs, one, connections)
     return buffers
 
 
@@ -127,31 +127,6 @@ def _azure_read(uri: str, connections: int) -> mmap.mmap:
     buffer = _fresh(downloader.size)
     downloader.readinto(_Sink(memoryview(buffer)))
     return buffer
-
-
-def _on_threads(jobs: Sequence[Any], work: Callable[[Any], None], threads: int) -> None:
-    pending = iter(jobs)
-    lock = threading.Lock()
-    failures: list[BaseException] = []
-
-    def loop() -> None:
-        while not failures:
-            with lock:
-                job = next(pending, None)
-            if job is None:
-                return
-            try:
-                work(job)
-            except BaseException as exc:  # re-raised in the caller's thread
-                failures.append(exc)
-
-    workers = [threading.Thread(target=loop) for _ in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    if failures:
-        raise failures[0]
 
 
 def download(scheme: str, uris: Sequence[str], directory: Path) -> list[Path]:

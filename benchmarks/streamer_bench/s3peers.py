@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from streamer.backends.s3.uri import parse_uri
 from streamer.config import S3Config
+from streamer_bench.parallel import on_threads
 
 MiB = 1 << 20
 RANGE_BYTES = 16 * MiB  # per GET; large enough that request latency is not the limit
@@ -67,36 +67,19 @@ def ranged_get(
             (view, where.bucket, where.key, begin, min(begin + range_bytes, size))
             for begin in range(0, size, range_bytes)
         ]
-    pending = iter(jobs)
-    lock = threading.Lock()
-    failures: list[BaseException] = []
 
-    def work() -> None:
-        while not failures:
-            with lock:
-                job = next(pending, None)
-            if job is None:
-                return
-            view, bucket, key, begin, end = job
-            try:
-                body = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={begin}-{end - 1}")["Body"]
-                position = begin
-                while position < end:
-                    chunk = body.read(min(MiB, end - position))
-                    if not chunk:
-                        raise OSError(f"s3://{bucket}/{key}: body ended at byte {position} of {end}")
-                    view[position : position + len(chunk)] = chunk
-                    position += len(chunk)
-            except BaseException as exc:  # re-raised in the caller's thread
-                failures.append(exc)
+    def work(job: tuple[memoryview, str, str, int, int]) -> None:
+        view, bucket, key, begin, end = job
+        body = s3.get_object(Bucket=bucket, Key=key, Range=f"bytes={begin}-{end - 1}")["Body"]
+        position = begin
+        while position < end:
+            chunk = body.read(min(MiB, end - position))
+            if not chunk:
+                raise OSError(f"s3://{bucket}/{key}: body ended at byte {position} of {end}")
+            view[position : position + len(chunk)] = chunk
+            position += len(chunk)
 
-    threads = [threading.Thread(target=work) for _ in range(connections)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
+    on_threads(jobs, work, connections)
     return buffers
 
 

@@ -15,7 +15,6 @@ from streamer.backends.azure.uri import AzureBlob, AzureUri
 from streamer.backends.http.client import Fatal, Retry
 from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.http.rest import RestObjectClient
-from streamer.backends.http.timing import LowSpeed
 from streamer.backends.optional import require_azure
 from streamer.config import AzureConfig
 from streamer.errors import ObjectSourceError
@@ -87,15 +86,6 @@ class AzureClient(RestObjectClient):
 
     def stored(self, uri: ObjectUri, size: int, version: str | None) -> AzureBlob:
         return AzureBlob(uri, size, version)
-
-    async def empty_object(self, uri: ObjectUri, speed: LowSpeed) -> AzureBlob:
-        """An empty blob: a GET without a range answers 200 with its ETag and no body."""
-        _, headers, body = await self.get(uri, self.object_url(uri, None), {}, 16, speed)
-        if body:
-            raise Retry("the blob is not empty any more")
-        blob = AzureBlob(uri, 0, self.version_from(headers))
-        self.verify(blob, headers)
-        return blob
 
     def list_page_url(self, bucket: str, prefix: str, token: str | None) -> str:
         query = {"restype": "container", "comp": "list", "prefix": prefix, "delimiter": "/"}

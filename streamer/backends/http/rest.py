@@ -4,7 +4,8 @@ each request bounded and retried as the data path's are, and what a failure of e
 
 A store subclasses ``RestObjectClient`` and supplies: its object URL (``object_url``), the headers
 and query that authorise a request (``authorization``), the version an answer names
-(``version_from``), what an empty object is (``empty_object``), what a status means
+(``version_from``), what an empty object is (``empty_object``, where a GET without a range does
+not say), what a status means
 (``classify_status``) and a listing (``list_page_url``, ``parse_page``).
 """
 
@@ -61,9 +62,15 @@ class RestObjectClient(ObjectStoreClient):
     def version_from(self, headers: Mapping[str, str]) -> str | None:
         """The object version an answer's headers name (None: it names none)."""
 
-    @abc.abstractmethod
     async def empty_object(self, uri: ObjectUri, speed: LowSpeed) -> StoredObject:
-        """An empty object (a ranged GET of it is a 416), with its version."""
+        """An empty object (a ranged GET of it is a 416), with its version: by default a GET
+        without a range, which answers 200, no body and the object's version."""
+        _, headers, body = await self.get(uri, self.object_url(uri, None), {}, 16, speed)
+        if body:
+            raise Retry("the object is not empty any more")
+        obj = self.stored(uri, 0, self.version_from(headers))
+        self.verify(obj, headers)
+        return obj
 
     @abc.abstractmethod
     def token_refused(self) -> None:

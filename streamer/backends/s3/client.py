@@ -30,7 +30,6 @@ from streamer.backends.http.endpoint import Target
 from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.http.response import HttpFailure, xml_error_code
 from streamer.backends.http.rest import RestObjectClient
-from streamer.backends.http.timing import LowSpeed
 from streamer.backends.s3.classify import (
     CHANGED,
     GONE_CODES,
@@ -171,15 +170,6 @@ class S3Client(RestObjectClient):
 
     def stored(self, uri: ObjectUri, size: int, version: str | None) -> ObjectInfo:
         return ObjectInfo(uri, size, version)
-
-    async def empty_object(self, uri: ObjectUri, speed: LowSpeed) -> ObjectInfo:
-        """An empty object (a ranged GET of it is a 416): a GET without a range, with its ETag."""
-        _, headers, body = await self.get(uri, self.object_url(uri, None), {}, 16, speed)
-        if body:
-            raise Retry("the object is not empty any more")
-        obj = ObjectInfo(uri, 0, self.version_from(headers))
-        self.verify(obj, headers)
-        return obj
 
     def list_page_url(self, bucket: str, prefix: str, token: str | None) -> str:
         query = [("list-type", "2"), ("prefix", prefix), ("delimiter", "/"), ("encoding-type", "url")]
