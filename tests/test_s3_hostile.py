@@ -250,6 +250,14 @@ def redirect(server: HostileS3, request: Request) -> Answer:
     return error(301, "PermanentRedirect", endpoint, [("x-amz-bucket-region", "eu-west-2")])
 
 
+def wrong_region(server: HostileS3, request: Request) -> Answer:
+    """AWS's answer to a request signed for another region than the bucket's."""
+    message = (
+        "<Message>the region 'us-east-1' is wrong; expecting 'eu-west-3'</Message><Region>eu-west-3</Region>"
+    )
+    return error(400, "AuthorizationQueryParametersError", message)
+
+
 def gzip_encoded(server: HostileS3, request: Request) -> Answer:
     return server.answer(request).replace("Content-Encoding", "gzip")
 
@@ -465,6 +473,7 @@ CASES: dict[str, Case] = {
     "header-gzip": Case(on("header", send(gzip_encoded)), S3Error, "Content-Encoding: gzip", 1),
     "header-no-etag": Case(on("header", send(no_etag)), S3Error, "no ETag", 1),
     "header-redirect": Case(on("header", send(redirect)), S3SourceError, "eu-west-2", 1),
+    "header-wrong-region": Case(on("header", send(wrong_region)), S3SourceError, "region eu-west-3", 1),
     "header-length-garbage": Case(on("header", send(lengths("abc"))), S3Error, "", None),
     "header-length-conflict": Case(on("header", send(lengths("10", "11"))), S3Error, "", None),
     # one limit for every answer's head, the control plane's as the data path's

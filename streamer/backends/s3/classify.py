@@ -29,13 +29,15 @@ MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound"})
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 REDIRECT_CODES = frozenset({"PermanentRedirect", "TemporaryRedirect", "Redirect"})
+# Signed for another region than the bucket's: AWS answers 400 and names the bucket's region.
+WRONG_REGION_CODES = frozenset({"AuthorizationHeaderMalformed", "AuthorizationQueryParametersError"})
 
 
 def classify_status(
     status: int | None, code: str | None, elsewhere: Mapping[str, str | None] | None = None
 ) -> Retry | Fatal:
-    if status in REDIRECTS or code in REDIRECT_CODES:
-        hints = {k: v for k, v in (elsewhere or {}).items() if v}
+    hints = {k: v for k, v in (elsewhere or {}).items() if v}
+    if status in REDIRECTS or code in REDIRECT_CODES or (code in WRONG_REGION_CODES and "region" in hints):
         where = ", ".join(f"{k} {v}" for k, v in hints.items()) or "another region or endpoint"
         reason = f"the bucket is elsewhere ({where}): set S3Config.region / endpoint_url to it"
         return Fatal(reason, status, code)

@@ -37,6 +37,7 @@ from streamer.backends.s3.classify import (
     REDIRECT_CODES,
     REDIRECTS,
     RETRY_CODES,
+    WRONG_REGION_CODES,
     classify_status,
     if_match,
     normal_etag,
@@ -146,7 +147,8 @@ class S3Client(RestObjectClient):
         """A missing or forbidden object raises ``S3SourceError`` where it does not resolve the source,
         ``S3Error`` where it went away during the load."""
         gone = source_errors and (
-            failure.status in (403, 404, 407, *REDIRECTS) or failure.code in GONE_CODES | REDIRECT_CODES
+            failure.status in (403, 404, 407, *REDIRECTS)
+            or failure.code in GONE_CODES | REDIRECT_CODES | WRONG_REGION_CODES
         )
         missing = failure.status == 404 or failure.code in MISSING_CODES
         return (S3MissingError if missing else S3SourceError) if gone else S3Error

@@ -28,4 +28,3 @@ class S3Storage(ObjectStorage[S3Client]):
 
     def stored(self, bucket: str, key: str, size: int, version: str | None) -> ObjectInfo:
         return ObjectInfo(S3Uri(bucket, key), size, version)
-
