@@ -63,6 +63,7 @@ class S3Client(RestObjectClient):
     def __init__(self, config: S3Config) -> None:
         super().__init__(config, "s3", config.concurrency, config.header_bytes)
         self.config = config
+        self._virtual_hosts: dict[str, str | None] = {}  # per bucket: decided once, read per GET
         try:
             self._identity = Identity(config)
             self._service = _service_url(config, self._identity.region)
@@ -89,6 +90,11 @@ class S3Client(RestObjectClient):
         """The bucket's virtual host URL (``scheme://bucket.host``), or None for path-style
         (``host/bucket``), by botocore's rule: ``auto`` is virtual on AWS for DNS-safe names,
         path-style on other endpoints."""
+        if bucket not in self._virtual_hosts:
+            self._virtual_hosts[bucket] = self._virtual_host(bucket)
+        return self._virtual_hosts[bucket]
+
+    def _virtual_host(self, bucket: str) -> str | None:
         parts = urlsplit(self._service)
         style = self.config.addressing_style
         virtual = style == "virtual" or (style == "auto" and self.config.endpoint_url is None)
