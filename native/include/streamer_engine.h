@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped on every change to a struct layout, a signature or a constant below. The binding
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
-#define SE_ABI_VERSION 7
+#define SE_ABI_VERSION 8
 
 /* O_DIRECT reads need offset, length and destination on multiples of this. */
 #define SE_DIRECT_ALIGNMENT 4096
@@ -260,6 +260,15 @@ int32_t se_populate(void *ptr, size_t size, int32_t *sys_errno);
  * (SE_ERR_INVALID for N == 0). */
 int32_t se_resident_bytes(const char *path, uint64_t offset, uint64_t length, uint32_t sample_every,
                           uint64_t *resident, uint64_t *total, int32_t *sys_errno);
+
+/*
+ * CRC-32C (Castagnoli) of `length` bytes at `data`, continuing from `crc` (0 for the first bytes):
+ * se_crc32c(se_crc32c(0, a, n), b, m) is the CRC of a followed by b. se_crc32c_combine gives the
+ * CRC of A followed by B from crc(A), crc(B) and B's length, so pieces of an object read in any
+ * order check it whole (Google Cloud Storage's per-object `crc32c`).
+ */
+uint32_t se_crc32c(uint32_t crc, const void *data, size_t length);
+uint32_t se_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
 
 #ifdef __cplusplus
 }

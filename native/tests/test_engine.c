@@ -1606,6 +1606,31 @@ static void test_read_pieces_failures(void) {
     free(data);
 }
 
+static void test_crc32c(void) {
+    /* The check value of CRC-32C (RFC 3720's "123456789"), and an empty input. */
+    CHECK_EQ(se_crc32c(0, "123456789", 9), 0xE3069283u);
+    CHECK_EQ(se_crc32c(0, "", 0), 0u);
+    const size_t n = 1000003;
+    uint8_t *data = malloc(n);
+    CHECK(data != NULL);
+    for (size_t i = 0; i < n; i++) {
+        data[i] = (uint8_t)(i * 131u + (i >> 9));
+    }
+    uint32_t whole = se_crc32c(0, data, n);
+    /* Continuing, and combining pieces, at every kind of split (unaligned, empty, whole). */
+    const size_t splits[] = {0, 1, 7, 8, 9, 4096, 65535, n / 2, n - 1, n};
+    for (size_t s = 0; s < sizeof splits / sizeof splits[0]; s++) {
+        size_t at = splits[s];
+        uint32_t head = se_crc32c(0, data, at);
+        uint32_t tail = se_crc32c(0, data + at, n - at);
+        CHECK_EQ(se_crc32c(head, data + at, n - at), whole);
+        CHECK_EQ(se_crc32c_combine(head, tail, n - at), whole);
+    }
+    /* Misaligned starts take the same path as aligned ones. */
+    CHECK_EQ(se_crc32c(se_crc32c(0, data, 3), data + 3, 10), se_crc32c(0, data, 13));
+    free(data);
+}
+
 int main(void) {
     RUN(test_read_many_units);
     RUN(test_straddling_blocks);
@@ -1630,6 +1655,7 @@ int main(void) {
     RUN(test_external_files);
     RUN(test_read_pieces);
     RUN(test_read_pieces_failures);
+    RUN(test_crc32c);
     printf("engine tests: %d passed, 0 failed\n", g_passed);
     return 0;
 }

@@ -370,3 +370,16 @@ def resident_bytes(
         code = sys_errno[0]
         raise OSError(code, os.strerror(code) if code else f"engine status {status}", path)
     return int(resident[0]), int(total[0])
+
+
+def crc32c(data: int | bytes, length: int = -1, crc: int = 0) -> int:
+    """CRC-32C of ``length`` bytes at address ``data`` (or of the bytes ``data``), continuing ``crc``;
+    the GIL is released while it runs."""
+    if isinstance(data, bytes):
+        return int(_lib().se_crc32c(crc, ffi.from_buffer(data), len(data)))
+    return int(_lib().se_crc32c(crc, ffi.cast("const void *", data), length))
+
+
+def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """The CRC-32C of A followed by B, from theirs and B's length."""
+    return int(_lib().se_crc32c_combine(crc_a, crc_b, length_b))
