@@ -11,9 +11,12 @@ token appears in any error; nothing (threads, descriptors) is left behind.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import http.server
+import itertools
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -50,6 +53,8 @@ from streamer import (
     ObjectStoreError,
     StreamerConfig,
 )
+from streamer.backends.gcs.crc32c import Mismatch, WholeObjectCheck, crc32c_from
+from streamer.engine import native
 from streamer.errors import ConfigError
 
 pytest.importorskip("google.auth")
@@ -152,8 +157,11 @@ def test_a_header_longer_than_the_first_read_is_fetched_whole(gcs: FakeGcs, tmp_
     written = write_checkpoint(tmp_path, tensors, index=False)
     gcs.put_files(BUCKET, "long-header/", list(written.shards))
     source = f"gs://{BUCKET}/long-header/model.safetensors"
-    got = streamer.load(source, config=gcs_config(gcs.endpoint, header_bytes=4096))
+    with streamer.open(source, config=gcs_config(gcs.endpoint, header_bytes=4096)) as handle:
+        got = dict(iter(handle))
+        checked = handle.metrics["checked_objects"]
     assert_same_dict(got, reference_load(written.shards))
+    assert checked == 1  # the header's rest, read apart from its front, counts towards the check
 
 
 # --- missing, denied, replaced -----------------------------------------------------------------
@@ -411,7 +419,11 @@ class HostileGcs:
     def honest(self, headers: Mapping[str, str]) -> tuple[int, list[tuple[str, str]], bytes]:
         first, last = (int(x) for x in headers["Range"].removeprefix("bytes=").split("-"))
         last = min(last, len(self.data) - 1)
-        ranged = [("Content-Range", f"bytes {first}-{last}/{len(self.data)}"), ("x-goog-generation", "7")]
+        ranged = [
+            ("Content-Range", f"bytes {first}-{last}/{len(self.data)}"),
+            ("x-goog-generation", "7"),
+            ("x-goog-hash", f"crc32c={_base64_crc32c(self.data)},md5=AAAAAAAAAAAAAAAAAAAAAA=="),
+        ]
         return 206, ranged, self.data[first : last + 1]
 
     def close(self) -> None:
@@ -505,6 +517,144 @@ def test_a_data_answer_of_another_generation_is_refused() -> None:
     try:
         with pytest.raises(ObjectStoreError, match="generation"):
             streamer.load(f"gs://{BUCKET}/m.safetensors", config=config)
+    finally:
+        server.close()
+
+
+# --- the whole-object CRC32C ---------------------------------------------------------------------
+
+
+def _crc32c_reference(data: bytes) -> int:
+    """CRC-32C bit by bit (RFC 3720), to test the engine's against."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+    return crc ^ 0xFFFFFFFF
+
+
+def _base64_crc32c(data: bytes) -> str:
+    return base64.b64encode(native.crc32c(data).to_bytes(4, "big")).decode()
+
+
+def test_the_engine_computes_crc32c_and_combines_pieces() -> None:
+    data = random.Random(1).randbytes(20_011)
+    assert native.crc32c(b"123456789") == 0xE3069283  # the standard check value
+    assert native.crc32c(data) == _crc32c_reference(data)
+    for cut in (0, 1, 7, 8, 4096, 20_010, 20_011):
+        head, tail = data[:cut], data[cut:]
+        assert native.crc32c(tail, crc=native.crc32c(head)) == native.crc32c(data)
+        combined = native.crc32c_combine(native.crc32c(head), native.crc32c(tail), len(tail))
+        assert combined == native.crc32c(data)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_pieces_read_in_any_order_check_the_object_once_whole(seed: int) -> None:
+    rng = random.Random(seed)
+    data = rng.randbytes(rng.randrange(1, 50_000))
+    front = data[: rng.randrange(1, len(data) + 1)]
+    cuts = sorted({rng.randrange(0, len(data)) for _ in range(rng.randrange(1, 12))} | {0, len(data)})
+    pieces = [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+    rng.shuffle(pieces)
+    covered = bytearray(len(data))
+    covered[: len(front)] = b"\x01" * len(front)
+    whole_at = None  # the first piece after which the front and the pieces cover every byte
+    for at, (a, b) in enumerate(pieces):
+        covered[a:b] = b"\x01" * (b - a)
+        if whole_at is None and all(covered):
+            whole_at = at
+    check = WholeObjectCheck(len(data), native.crc32c(data), front)
+    done = [check.add(a, b, native.crc32c(data[a:b])) for a, b in pieces]
+    assert done[whole_at] and not any(done[:whole_at])  # matched exactly when the last byte arrived
+    # A second whole read is checked again; a piece read twice (overlapping) is superseded.
+    assert any(check.add(a, b, native.crc32c(data[a:b])) for a, b in pieces[:1] + pieces)
+    corrupt = bytearray(data)
+    corrupt[rng.randrange(len(data))] ^= 0x40
+    wrong = WholeObjectCheck(len(data), native.crc32c(data), front)
+    with pytest.raises(Mismatch, match="do not match the object's CRC32C"):
+        for a, b in pieces:
+            wrong.add(a, b, native.crc32c(bytes(corrupt[a:b])))
+        wrong.add(0, len(data), native.crc32c(bytes(corrupt)))  # a corrupt byte in the front's range
+
+
+def test_pieces_that_never_cover_the_object_leave_it_unchecked() -> None:
+    data = random.Random(2).randbytes(10_000)
+    check = WholeObjectCheck(len(data), native.crc32c(data), data[:100])
+    assert not check.add(200, 10_000, native.crc32c(data[200:]))  # bytes 100-199 never read
+    assert not check.add(150, 300, native.crc32c(data[150:300]))
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ("crc32c=ROPt5Q==,md5=TV0cup6xiISlQQ9Lg7xpUQ==", 0x44E3EDE5),
+        ("md5=TV0cup6xiISlQQ9Lg7xpUQ==, crc32c=ROPt5Q==", 0x44E3EDE5),
+        ("md5=TV0cup6xiISlQQ9Lg7xpUQ==", None),
+        ("crc32c=not base64!", None),
+        ("crc32c=AAAAAAA=", None),  # five bytes, not four
+        ("", None),
+    ],
+)
+def test_the_crc32c_is_read_from_x_goog_hash(header: str, expected: int | None) -> None:
+    assert crc32c_from({"x-goog-hash": header} if header else {}) == expected
+
+
+def test_a_whole_load_is_checked_and_a_partial_one_is_not(gcs: FakeGcs, sharded: Written) -> None:
+    source = f"gs://{BUCKET}/sharded/"
+    expected = reference_load(sharded.shards)
+    with streamer.open(source, config=gcs_config(gcs.endpoint)) as handle:
+        assert_same_dict(dict(iter(handle)), expected)
+        assert handle.metrics["checked_objects"] == len(sharded.shards)
+    with streamer.open(source, config=gcs_config(gcs.endpoint)) as handle:
+        some = [handle.checkpoint.ref(name) for name in handle.keys()[:2]]
+        for ref, tensor in zip(some, handle.read(some), strict=True):
+            assert_same(tensor, expected[ref.entry.name])
+        assert handle.metrics["checked_objects"] == 0  # unread bytes: the object cannot be checked
+    limited = dataclasses.replace(gcs_config(gcs.endpoint), memory_limit=900 * KiB)
+    with streamer.open(source, config=limited) as handle:
+        assert_same_dict(dict(iter(handle)), expected)  # several runs: pieces add up across them
+        assert handle.metrics["checked_objects"] == len(sharded.shards)
+    off = gcs_config(gcs.endpoint, verify_crc32c=False)
+    with streamer.open(source, config=off) as handle:
+        assert_same_dict(dict(iter(handle)), expected)
+        assert handle.metrics["checked_objects"] == 0
+
+
+def _corrupting(path: str, headers: Mapping[str, str], honest: Any) -> Any:
+    """Flips one bit of every tensor-data answer, headers honest: what only a checksum catches."""
+    status, fields, body = honest()
+    if "generation=" not in path or len(body) < 1024:  # the header's rest is not corrupted
+        return None
+    return status, fields, body[:-1] + bytes([body[-1] ^ 0x01])
+
+
+def test_a_corrupted_byte_fails_the_load_naming_the_object() -> None:
+    server, config = _hostile(_corrupting, header_bytes=16)
+    try:
+        with pytest.raises(ObjectStoreError, match="CRC32C") as info:
+            streamer.load(f"gs://{BUCKET}/m.safetensors", config=config)
+        assert info.value.path == f"gs://{BUCKET}/m.safetensors"
+        unchecked = dataclasses.replace(config, gcs=dataclasses.replace(config.gcs, verify_crc32c=False))
+        got = streamer.load(f"gs://{BUCKET}/m.safetensors", config=unchecked)
+        assert not torch.equal(got["w"], torch.arange(4096, dtype=torch.float32))  # only the check caught it
+    finally:
+        server.close()
+
+
+def test_an_answer_without_the_crc32c_is_refused_unless_the_check_is_off() -> None:
+    def without_hash(path: str, headers: Mapping[str, str], honest: Any) -> Any:
+        status, fields, body = honest()
+        return status, [(k, v) for k, v in fields if k != "x-goog-hash"], body
+
+    server, config = _hostile(without_hash)
+    try:
+        with pytest.raises(ObjectStoreError, match="no CRC32C") as info:
+            streamer.load(f"gs://{BUCKET}/m.safetensors", config=config)
+        assert info.value.path == f"gs://{BUCKET}/m.safetensors"
+        unchecked = dataclasses.replace(config, gcs=dataclasses.replace(config.gcs, verify_crc32c=False))
+        got = streamer.load(f"gs://{BUCKET}/m.safetensors", config=unchecked)
+        assert torch.equal(got["w"], torch.arange(4096, dtype=torch.float32))
     finally:
         server.close()
 

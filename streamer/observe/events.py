@@ -32,6 +32,7 @@ _SUMMED = (
     "requests",
     "retries",
     "throttles",
+    "checked_objects",
     "cache_hit_bytes",
     "cache_miss_bytes",
     "cache_write_bytes",
@@ -65,6 +66,7 @@ class LoadEvent:
     requests: int
     retries: int
     throttles: int
+    checked_objects: int  # objects read whole whose store checksum matched (GCS's CRC32C)
     cache_hit_bytes: int
     cache_miss_bytes: int
     cache_write_bytes: int
@@ -87,6 +89,8 @@ class LoadEvent:
         parts = [head, f"read {self.bytes_read / 1e9:.3f} GB"]
         if self.requests:
             parts.append(f"{self.requests} requests, {self.retries} retries, {self.throttles} throttled")
+        if self.checked_objects:
+            parts.append(f"{self.checked_objects} object(s) checked whole")
         if self.cache_hit_bytes or self.cache_miss_bytes:
             parts.append(
                 f"cache hit {self.cache_hit_bytes / 1e9:.3f} GB, miss {self.cache_miss_bytes / 1e9:.3f} GB"
@@ -160,6 +164,7 @@ class LoadRecord:
             requests=int(sums["requests"]),
             retries=int(sums["retries"]),
             throttles=int(sums["throttles"]),
+            checked_objects=int(sums["checked_objects"]),
             cache_hit_bytes=int(sums["cache_hit_bytes"]),
             cache_miss_bytes=int(sums["cache_miss_bytes"]),
             cache_write_bytes=int(sums["cache_write_bytes"]),

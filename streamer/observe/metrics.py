@@ -106,6 +106,7 @@ class LoadMetrics:
             "requests": self.storage.get("requests", 0),  # object-store requests, retries included
             "retries": self.storage.get("retries", 0),  # object-store tries that failed and were retried
             "throttles": self.storage.get("throttles", 0),  # of those, refused as throttled (429, 503)
+            "checked_objects": self.storage.get("checked_objects", 0),  # read whole, checksum matched
             "cache_hit_bytes": self.storage.get("cache_hit_bytes", 0),  # cache: chunk bytes read from it
             "cache_miss_bytes": self.storage.get("cache_miss_bytes", 0),  # cache: chunk bytes fetched from S3
             "cache_write_bytes": self.storage.get("cache_write_bytes", 0),  # cache: chunk bytes stored

@@ -125,7 +125,7 @@ class CacheFeed(ExternalFeed):
         self._client: ObjectStoreClient | None = None  # taken at the first fetch
         self._error_type = error_type
         self._store_name = store_name
-        self._counted = (0, 0, 0, 0)  # the client's counters then
+        self._counted = (0, 0, 0, 0, 0)  # the client's counters then
         self._connecting = threading.Lock()
         self._config = config
         self._store = store

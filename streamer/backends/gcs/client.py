@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from streamer.backends.gcs.auth import Tokens
+from streamer.backends.gcs.crc32c import crc32c_from
 from streamer.backends.gcs.uri import GcsObject, GcsUri
 from streamer.backends.http.client import Fatal, Retry
 from streamer.backends.http.objects import ObjectUri, StoredObject
@@ -103,6 +104,9 @@ class GcsClient(RestObjectClient):
 
     def stored(self, uri: ObjectUri, size: int, version: str | None) -> GcsObject:
         return GcsObject(uri, size, version)
+
+    def answered(self, uri: ObjectUri, size: int, headers: Mapping[str, str]) -> GcsObject:
+        return GcsObject(uri, size, self.version_from(headers), crc32c_from(headers))
 
     async def empty_object(self, uri: ObjectUri, speed: LowSpeed) -> GcsObject:
         """An empty object, with its generation from its metadata."""

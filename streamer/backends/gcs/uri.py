@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 from urllib.parse import quote
 
@@ -27,4 +27,8 @@ class GcsUri(ObjectUri):
 
 @dataclass(frozen=True)
 class GcsObject(StoredObject):
-    """A GCS object as its header read saw it: its version is its generation."""
+    """A GCS object as its header read saw it: its version is its generation; ``crc32c`` is GCS's
+    checksum of the whole object, where the answer named it (not part of the object's identity:
+    the generation fixes it)."""
+
+    crc32c: int | None = field(default=None, compare=False)

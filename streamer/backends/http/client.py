@@ -47,7 +47,7 @@ THROTTLE_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
      "RequestThrottled", "ServerBusy", "rateLimitExceeded", "userRateLimitExceeded"}
 )  # fmt: skip
-COUNTERS = ("requests", "retries", "bytes_fetched", "throttles")
+COUNTERS = ("requests", "retries", "bytes_fetched", "throttles", "checked_objects")
 
 
 class Retry(Exception):
@@ -148,14 +148,15 @@ class ObjectStoreClient(abc.ABC):
         self.retries = 0
         self.bytes_fetched = 0
         self.throttles = 0  # retries of a try the store refused as throttled
+        self.checked_objects = 0  # objects read whole whose store checksum matched (GCS's CRC32C)
         self._idle: list[Connection] = []  # the control plane's keep-alive connections
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"streamer-{store}", daemon=True)
         self._thread.start()
 
-    def counters(self) -> tuple[int, int, int, int]:
+    def counters(self) -> tuple[int, int, int, int, int]:
         """``COUNTERS`` now: a feed's stats are what they grew by during its run."""
-        return (self.requests, self.retries, self.bytes_fetched, self.throttles)
+        return (self.requests, self.retries, self.bytes_fetched, self.throttles, self.checked_objects)
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Runs ``coroutine`` on the loop and waits for its result (from any other thread)."""

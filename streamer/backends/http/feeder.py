@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from streamer.backends.base import ExternalFeed
 from streamer.backends.http.client import COUNTERS, Fatal, ObjectStoreClient, cancel_all
@@ -19,6 +19,11 @@ from streamer.backends.http.objects import StoredObject
 from streamer.engine import native
 from streamer.errors import StreamerError
 
+# A store's check of bytes that landed (GCS: the whole object's CRC32C): called with the object,
+# the bytes [begin, end) and their address before the block is credited; raises ``Fatal`` when
+# they must not count. It must not return while it still reads the block's memory.
+LandedCheck = Callable[[StoredObject, int, int, int], Awaitable[None]]
+
 
 class ObjectFeeder(ExternalFeed):
     """Fetches the blocks of ``objects`` (engine files 0..n-1) for one run and credits them.
@@ -26,14 +31,20 @@ class ObjectFeeder(ExternalFeed):
     ``submit`` may be called from the run's thread at any time; ``close`` (before the engine
     closes) cancels what is queued or running and returns once no request can write into
     destination memory any more. Its counters are the run's share of the shared client's.
+    ``check``: the store's check of each block's bytes before it is credited, if it has one.
     """
 
     def __init__(
-        self, client: ObjectStoreClient, engine: native.Engine, objects: Sequence[StoredObject]
+        self,
+        client: ObjectStoreClient,
+        engine: native.Engine,
+        objects: Sequence[StoredObject],
+        check: LandedCheck | None = None,
     ) -> None:
         super().__init__(engine, len(objects))
         self._client = client
         self._objects = tuple(objects)
+        self._check = check
         self._counted = client.counters()
         self._queue: asyncio.Queue[native.Block] | None = None
         self._workers: list[asyncio.Task[None]] = []
@@ -74,21 +85,23 @@ class ObjectFeeder(ExternalFeed):
             info = self._objects[block.file]
             # Only the credited bytes are needed: the planner's alignment padding is for O_DIRECT.
             begin, end = block.acc_begin, block.acc_end
-            view = native.writable_view(block.dst + (begin - block.read_offset), end - begin)
+            address = block.dst + (begin - block.read_offset)
+            view = native.writable_view(address, end - begin)
             try:
                 await self._client.fetch_into(connection, info, begin, end, view, until=self._until)
+                if self._check is not None:
+                    await self._check(info, begin, end, address)
             except StreamerError as error:
                 self.fail(error, block)
                 continue
-            except Exception as exc:  # a bug must still end the run, never hang it
-                failure = Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
-                reason = failure.reason
-                self.fail(
-                    self._client.error(
-                        failure, info.uri, (begin, end), 1, reason=reason, source_errors=False
-                    ),
-                    block,
+            except Exception as exc:  # the store's check refused the bytes, or a bug: never a hang
+                failure = exc
+                if not isinstance(failure, Fatal):
+                    failure = Fatal(f"unexpected failure: {type(exc).__name__}: {exc}")
+                refused = self._client.error(
+                    failure, info.uri, (begin, end), 1, reason=failure.reason, source_errors=False
                 )
+                self.fail(refused, block)
                 continue
             finally:
                 view.release()

@@ -68,7 +68,7 @@ class RestObjectClient(ObjectStoreClient):
         _, headers, body = await self.get(uri, self.object_url(uri, None), {}, 16, speed)
         if body:
             raise Retry("the object is not empty any more")
-        obj = self.stored(uri, 0, self.version_from(headers))
+        obj = self.answered(uri, 0, headers)
         self.verify(obj, headers)
         return obj
 
@@ -112,6 +112,11 @@ class RestObjectClient(ObjectStoreClient):
     @abc.abstractmethod
     def stored(self, uri: ObjectUri, size: int, version: str | None) -> StoredObject:
         """The store's object as a header read saw it."""
+
+    def answered(self, uri: ObjectUri, size: int, headers: Mapping[str, str]) -> StoredObject:
+        """The object of ``size`` bytes an answer's headers describe (its version, and whatever
+        else the store's answers say of it)."""
+        return self.stored(uri, size, self.version_from(headers))
 
     # --- the shared client's hooks -----------------------------------------------------------
 
@@ -199,7 +204,7 @@ class RestObjectClient(ObjectStoreClient):
                 raise Retry(f"an HTTP {status} without a valid Content-Range")
             if len(data) != min(length, size):
                 raise Retry(f"short body: {len(data)} of {min(length, size)} bytes")
-            obj = self.stored(uri, size, self.version_from(headers))
+            obj = self.answered(uri, size, headers)
             self.verify(obj, headers)
             return data, obj
 

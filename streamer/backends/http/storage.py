@@ -19,7 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from streamer.backends import base
 from streamer.backends.http.client import ObjectStoreClient, RetrySettings
-from streamer.backends.http.feeder import ObjectFeeder
+from streamer.backends.http.feeder import LandedCheck, ObjectFeeder
 from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.sources import (
     INDEX_SUFFIX,
@@ -128,7 +128,12 @@ class ObjectStorage(base.Storage, Generic[ClientT]):
         spans: Sequence[base.Extent],
         tensors: base.Named,
     ) -> base.Feed:
-        return ObjectFeeder(self._holder.get(), engine, [stored_object(file) for file in files])
+        objects = [stored_object(file) for file in files]
+        return ObjectFeeder(self._holder.get(), engine, objects, self.landed_check())
+
+    def landed_check(self) -> LandedCheck | None:
+        """The store's check of each fetched block before it is credited (none by default)."""
+        return None
 
     def client(self) -> ClientT:
         """The session's client (made on first use), for a storage that wraps this one (the cache)."""
