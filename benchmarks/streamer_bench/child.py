@@ -66,16 +66,19 @@ def _prepare_streamer(request: dict[str, Any]) -> Prepared:
     source, device = request["source"], request["device"]
     concurrency = request["knobs"].get("concurrency")
     scheme = remote_scheme(source)
-    if concurrency is None:
-        knob: dict[str, Any] = {}
-    elif scheme is not None:  # remote reads are bounded by connections, not by local I/O threads
+    knob: dict[str, Any] = {}
+    if scheme is not None:  # remote reads are bounded by connections, not by local I/O threads
         section, config_type = {
             "s3": ("s3", "S3Config"),
             "gs": ("gcs", "GCSConfig"),
             "az": ("azure", "AzureConfig"),
         }[scheme]
-        knob = {section: getattr(streamer, config_type)(concurrency=concurrency)}
-    else:
+        store: dict[str, Any] = {} if concurrency is None else {"concurrency": concurrency}
+        if request["knobs"].get("crc32c") == "off":
+            store["verify_crc32c"] = False
+        if store:
+            knob = {section: getattr(streamer, config_type)(**store)}
+    elif concurrency is not None:
         knob = {"concurrency": concurrency}
     # Unlimited as streamer.load() does: everything is kept, so no limit applies.
     config = streamer.StreamerConfig(memory_limit="unlimited", **knob)

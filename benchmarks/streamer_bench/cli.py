@@ -208,7 +208,10 @@ def plan(
                 skipped.append({"loader": name, "reason": str(exc)[:500], "install": None})
                 continue
         into = args.into_touched and not checkpoint.remote
-        for setting in settings_for(name, concurrency, args.runai_strategies, backends, into_touched=into):
+        unchecked = checkpoint.scheme == "gs"
+        for setting in settings_for(
+            name, concurrency, args.runai_strategies, backends, into_touched=into, unchecked=unchecked
+        ):
             runs.append((setting, files))
     if args.baseline is not None:
         runs.append((Setting(BASELINE, python=args.baseline), list(checkpoint.shards)))

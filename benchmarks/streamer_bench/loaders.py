@@ -191,6 +191,7 @@ class Setting:
 
 
 INTO_SETTING = Setting("streamer", (("into", "touched"),))
+UNCHECKED_SETTING = Setting("streamer", (("crc32c", "off"),))  # GCS without the whole-object check
 
 
 def settings_for(
@@ -200,13 +201,16 @@ def settings_for(
     safetensors_backends: list[str],
     *,
     into_touched: bool = False,
+    unchecked: bool = False,
 ) -> list[Setting]:
     """Every setting of ``loader`` to run: its defaults, then each swept value (and strategy).
 
     ``into_touched``: streamer also times ``load_into`` of destination tensors allocated and
-    touched before the clock (what a reloaded model or a GPU ring sees): the I/O path alone."""
-    if loader == "streamer" and into_touched:
-        return [*settings_for(loader, concurrency, runai_strategies, safetensors_backends), INTO_SETTING]
+    touched before the clock (what a reloaded model or a GPU ring sees): the I/O path alone.
+    ``unchecked``: streamer also loads without GCS's whole-object CRC32C check (its cost, as a row)."""
+    if loader == "streamer" and (into_touched or unchecked):
+        extra = [INTO_SETTING] if into_touched else [UNCHECKED_SETTING]
+        return [*settings_for(loader, concurrency, runai_strategies, safetensors_backends), *extra]
     levels: list[tuple[tuple[str, str | int], ...]] = [()]
     if LOADERS[loader].concurrency_knob is not None:
         levels += [(("concurrency", c),) for c in concurrency]

@@ -15,7 +15,7 @@ from typing import Any
 
 from streamer_bench import stats
 from streamer_bench.ceilings import Ceiling
-from streamer_bench.loaders import INTO_SETTING
+from streamer_bench.loaders import INTO_SETTING, UNCHECKED_SETTING
 from streamer_bench.runner import Config, Run
 from streamer_bench.units import format_bytes, gbps
 
@@ -73,15 +73,16 @@ def _reference(results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 INTO_TOUCHED = INTO_SETTING.label  # streamer's load_into of touched tensors: the I/O path alone, not a load
+UNCHECKED = UNCHECKED_SETTING.label  # streamer without a check it makes by default: its cost, not a peer
 
 
 def _best_results(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each loader's result at its setting with the lowest median, in first-seen loader order
-    (streamer's ``into=touched`` row is not a whole load, and a pruned setting stopped early: neither
-    counts as a best)."""
+    (streamer's ``into=touched`` row is not a whole load, its ``crc32c=off`` row skips a check it
+    makes by default, and a pruned setting stopped early: none counts as a best)."""
     best: dict[str, dict[str, Any]] = {}
     for r in results:
-        if r["median_s"] is None or r["setting"] == INTO_TOUCHED or r.get("pruned"):
+        if r["median_s"] is None or r["setting"] in (INTO_TOUCHED, UNCHECKED) or r.get("pruned"):
             continue
         current = best.get(r["loader"])
         if current is None or r["median_s"] < current["median_s"]:
