@@ -67,6 +67,7 @@ def test_table_is_printed(run: dict[str, Any]) -> None:
     assert "[cold 1/4]" in run["proc"].stderr  # progress goes to stderr (streamer's into=touched row too)
     assert any(line.startswith("streamer") and "into=touched" in line for line in stdout.splitlines())
     assert "÷ ceiling" in stdout and "-- cold: bound by " in stdout and "-- cold: stopped: " in stdout
+    assert "-- cold: streamer ÷ read ceiling, paired by round" in stdout  # its ceiling measured in its round
 
 
 def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
@@ -608,3 +609,50 @@ def test_a_cache_state_ends_once_every_verdict_is_decided(
     )  # fmt: skip
     assert [len(c.runs) for c in configs] == [runs, runs]
     assert stopped.startswith(why)
+
+
+def test_cold_loads_are_divided_by_the_ceiling_of_their_own_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk drifts within a section: the read ceiling is measured again before each round, and
+    each round's load is divided by its own round's ceiling (paired, as the verdicts are)."""
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    files, index = [str(f) for f in made.files], str(made.index)
+    configs = [runner.Config(Setting("streamer"), files, index)]
+    slow_disk = {1: 2.0, 2: 1.0, 3: 2.0, 4: 1.0, 5: 2.0}  # the disk halves its speed every other round
+    monkeypatch.setattr(runner, "_prepare", lambda config, state: (0, None))
+    monkeypatch.setattr(runner, "call_child", _timed_child({"streamer": lambda r: 0.625 * slow_disk[r]}))
+    ceiling = ceilings.Ceiling("read_direct", "cold", 1.0, "python", "", jobs=2)
+    speeds = iter([1.0, 2.0, 1.0, 2.0, 1.0])  # GB/s of the same files read by the ceiling's readers
+    measured: list[int] = []
+
+    def each_round(r: int) -> None:
+        measured.append(len(configs[0].runs))  # before the round's loads
+        ceiling.rounds.append({"round": r, "gbps": next(speeds) * 1.073741824})
+
+    runner.run_section(
+        configs, "cold", 5, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None,
+        each_round=each_round,
+    )  # fmt: skip
+    assert measured == [0, 1, 2, 3, 4]
+    results = [report.summarize(c) for c in configs]
+    (pair,) = report.ceiling_pairs(results, [ceiling])
+    assert pair["setting"] == "default" and pair["rounds"] == 5 and pair["jobs"] == 2
+    assert pair["ratio"] == pytest.approx(0.8) and pair["low"] == pytest.approx(0.8)  # steady; GB/s is not
+    text = report.render(
+        {"checkpoint": {"files": files, "tensor_bytes": 1 << 30, "tensor_count": 1, "source": index},
+         "options": {"device": "cpu", "repeat": 5}, "machine": {"filesystem": {"type": "ext4"}},
+         "sections": [report.section("cold", configs, [ceiling])], "memory_ceilings": [], "skipped": []}
+    )  # fmt: skip
+    assert "-- cold: streamer ÷ read ceiling, paired by round (GB/s over read_direct at 2 job(s)" in text
+    assert "  streamer default: 0.80x [0.80, 0.80] over 5 rounds" in text
+
+
+def test_measure_round_reads_at_the_ceiling_s_best_reader_count(tmp_path: Path) -> None:
+    made = synthetic.generate(tmp_path, 8 * MiB, 2)
+    (found,) = ceilings.storage_ceilings(made.files, "warm", lambda: None, modes=("buffered",), use_fio=False)
+    assert found.jobs in ceilings.JOB_COUNTS
+    prepared: list[str] = []
+    ceilings.measure_round(found, made.files, lambda: prepared.append("prepared"), 3)
+    assert prepared == ["prepared"] and [r["round"] for r in found.rounds] == [3]
+    assert found.rounds[0]["gbps"] > 0

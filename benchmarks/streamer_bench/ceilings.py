@@ -48,6 +48,10 @@ class Ceiling:
     detail: str
     samples: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
+    jobs: int | None = None  # a read ceiling's reader count: the one with the best median
+    # A read ceiling measured again at the start of each round of loads ({"round", "gbps"}): the
+    # disk drifts within a section, so loads are also divided by the ceiling of their own round.
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
 
 # --- storage ---
@@ -199,7 +203,7 @@ def storage_ceilings(
         for jobs, values in rates.items():
             median = statistics.median(values) if values else None
             if median is not None and (ceiling.gbps is None or median > ceiling.gbps):
-                ceiling.gbps = median
+                ceiling.gbps, ceiling.jobs = median, jobs
                 ceiling.detail = (
                     f"{jobs} job(s), {READ_BLOCK >> 20} MiB reads, median of {len(values)} "
                     f"(min-max {min(values):.2f}-{max(values):.2f})"
@@ -208,6 +212,30 @@ def storage_ceilings(
             ceiling.error = "; ".join(str(s.get("error", "too fast to time")) for s in ceiling.samples)
         out.append(ceiling)
     return out
+
+
+def measure_round(
+    ceiling: Ceiling,
+    files: Sequence[Path],
+    prepare: Callable[[], None],
+    round_index: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> None:
+    """One more run of a read ceiling at its best reader count, for round ``round_index`` of the
+    loads (``Ceiling.rounds``); a run that fails is left out, as a failed load is."""
+    if ceiling.jobs is None or ceiling.cache is None:
+        return
+    direct = ceiling.name == "read_direct"
+    rate = _fio_rate if ceiling.method == "fio" else _python_rate
+    what = f"{ceiling.method} {ceiling.name}, {ceiling.jobs} job(s)"
+    progress(f"{ceiling.cache} read ceiling: {what}, before round {round_index + 1}")
+    try:
+        prepare()
+        nbytes, seconds = rate(_slices(files, ceiling.jobs, direct), direct)
+    except (OSError, RuntimeError, subprocess.SubprocessError, ValueError, KeyError):
+        return
+    if seconds > 0:
+        ceiling.rounds.append({"round": round_index, "gbps": gbps(nbytes, seconds)})
 
 
 def remote_ceilings(scheme: str, reference_configs: Sequence[Config]) -> list[Ceiling]:

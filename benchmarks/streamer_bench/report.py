@@ -124,6 +124,25 @@ def comparisons(reference: dict[str, Any], best: Sequence[dict[str, Any]]) -> li
     return out
 
 
+def ceiling_pairs(results: Sequence[dict[str, Any]], ceilings: Sequence[Ceiling]) -> list[dict[str, Any]]:
+    """Each streamer setting's GB/s over the read ceiling measured in the same round, paired by
+    round (median and 95% interval): the disk's drift within the section cancels out of it."""
+    measured = next((c for c in ceilings if c.rounds), None)
+    if measured is None:
+        return []
+    per_byte = {entry["round"]: 1.0 / entry["gbps"] for entry in measured.rounds if entry["gbps"]}
+    out = []
+    for r in results:
+        if r["loader"] != "streamer":
+            continue
+        ours = {run["repeat"]: run["seconds"] / run["bytes"] * 1e9 for run in r["runs"]
+                if run["valid"] and run["seconds"] and run["bytes"]}  # fmt: skip
+        paired = stats.compare(ours, per_byte)  # ceiling s/GB ÷ ours: our share of the ceiling
+        ceiling = {"ceiling": measured.name, "jobs": measured.jobs}
+        out.append({"setting": r["setting"], **ceiling, **asdict(paired)})
+    return out
+
+
 def decided(state: str, configs: Sequence[Config]) -> bool:
     """Whether every paired verdict of ``state`` is decided (ahead or behind): more rounds would
     only narrow intervals that already exclude 1. True when there is no peer to compare with."""
@@ -146,6 +165,7 @@ def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) 
         "results": results,
         "best": [{k: r[k] for k in _SUMMARY_KEYS} for r in best],
         "comparisons": comparisons(reference, best) if reference is not None else [],
+        "ceiling_pairs": ceiling_pairs(results, ceilings),
         "ceilings": [asdict(c) for c in ceilings],
     }
 
@@ -215,6 +235,13 @@ def _comparison_line(c: dict[str, Any]) -> str:
     if cpu["ratio"] is not None:
         line += f" (CPU seconds {_paired_text(cpu)}: {cpu['verdict'].upper()})"
     return line
+
+
+def _ceiling_pair_line(p: dict[str, Any]) -> str:
+    if p["ratio"] is None:
+        return f"  streamer {p['setting']}: no round with both a load and a ceiling"
+    rounds = f"{p['rounds']} round{'s' if p['rounds'] != 1 else ''}"
+    return f"  streamer {p['setting']}: {_paired_text(p)} over {rounds}"
 
 
 def _read_ceiling(section: dict[str, Any]) -> float | None:
@@ -325,6 +352,14 @@ def render(document: dict[str, Any]) -> str:
                 "(peer time ÷ streamer time: above 1, streamer is faster; 95% bootstrap interval; "
                 "CPU seconds paired the same way: above 1, streamer used less)",
                 *(_comparison_line(c) for c in sec["comparisons"]),
+            ]
+        if sec.get("ceiling_pairs"):
+            first = sec["ceiling_pairs"][0]
+            out += [
+                f"-- {sec['cache']}: streamer ÷ read ceiling, paired by round (GB/s over "
+                f"{first['ceiling']} at {first['jobs']} job(s), measured again before each round's "
+                "loads; 95% bootstrap interval)",
+                *(_ceiling_pair_line(p) for p in sec["ceiling_pairs"]),
             ]
         bound = _binding_ceiling(sec, document["memory_ceilings"])
         if bound is not None:

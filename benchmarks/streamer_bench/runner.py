@@ -281,6 +281,7 @@ def run_section(
     min_rounds: int | None = None,
     decided: Callable[[], bool] | None = None,
     prune_after: int | None = None,
+    each_round: Callable[[int], None] | None = None,
 ) -> str:
     """Up to ``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
     the given order, each later one shuffled (seeded, so reproducible). A run pays for the memory
@@ -293,7 +294,9 @@ def run_section(
 
     Adaptive: after ``min_rounds`` rounds (and each round after), the state ends as soon as
     ``decided()`` says every verdict is decided; after ``prune_after`` rounds, the peer settings
-    far from their loader's best stop running (``prune``). Returns why the state ended."""
+    far from their loader's best stop running (``prune``). ``each_round(r)`` runs before round
+    ``r``'s loads (a read ceiling measured again, for ratios paired by round). Returns why the
+    state ended."""
     total = repeat * len(configs)
     n = 0
     for r in range(repeat):
@@ -303,6 +306,8 @@ def run_section(
             for config in prune(configs, r):
                 progress(f"[{state}] {config.setting.loader} {config.setting.label}: {config.pruned}")
             total = n + (repeat - r) * sum(c.pruned is None for c in configs)
+        if each_round is not None:
+            each_round(r)
         for config in round_order([c for c in configs if c.pruned is None], r):
             n += 1
             label = f"{config.setting.loader} {config.setting.label}"
