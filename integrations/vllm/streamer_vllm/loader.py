@@ -99,7 +99,8 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of ``source`` as it completes, uncopied; ``metrics`` gets streamer's once
         all were read. Shards holding only weights the model never loads are not read."""
-        with self._open(source, device) as handle, contextlib.ExitStack() as stack:
+        handle, skipped = self._open(source, device)
+        with handle, contextlib.ExitStack() as stack:
             show = enable_tqdm(self.load_config.use_tqdm_on_load)
             bar: ByteProgress | None = None
             for name, tensor in handle:
@@ -110,31 +111,32 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
                 bar.update(tensor.nbytes)
                 yield source.prefix + name, tensor
                 del tensor  # vLLM's reference alone decides when its buffer is free
-        metrics.append((str(source.source), handle.metrics))
+        metrics.append(
+            (
+                str(source.source),
+                {**handle.metrics, "skipped_shards": skipped[0], "skipped_bytes": skipped[1]},
+            )
+        )
 
-    def _open(self, source: StreamedSource, device: str) -> streamer.Streamer:
-        """``source`` opened, less the shards holding only weights the model never loads."""
+    def _open(self, source: StreamedSource, device: str) -> tuple[streamer.Streamer, tuple[int, int]]:
+        """``source`` opened, less the shards holding only weights the model never loads (how many
+        were left out, and their tensor bytes)."""
         group = loading_group(self.options.distributed and source.shared, device)
         handle = streamer.open(source.source, device=device, config=self.options.config, group=group)
         if source.is_unused is None:
-            return handle
+            return handle, (0, 0)
         try:
             kept = files_in_use(handle.checkpoint, source.is_unused)
         except BaseException:
             handle.close()
             raise
         if kept is None:
-            return handle
+            return handle, (0, 0)
         headers = handle.checkpoint.headers
         skipped = sum(t.nbytes for h in headers if h.path not in kept for t in h.tensors)
         handle.close()
-        logger.info(
-            "Reading the %d shard(s) holding weights the model loads; skipping %d shard(s), %d bytes",
-            len(kept),
-            len(headers) - len(kept),
-            skipped,
-        )
-        return streamer.open(kept, device=device, config=self.options.config, group=group)
+        kept_handle = streamer.open(kept, device=device, config=self.options.config, group=group)
+        return kept_handle, (len(headers) - len(kept), skipped)
 
     def all_weights(
         self, model: nn.Module, model_config: ModelConfig, device: str, metrics: Metrics
@@ -218,6 +220,11 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         hits = sum(int(m.get("cache_hit_bytes", 0)) for _, m in metrics)
         budget += f", {received} from the other ranks" if received else ""
         budget += f", {hits} from the node cache" if hits else ""
+        shards = sum(int(m.get("skipped_shards", 0)) for _, m in metrics)
+        unused = sum(int(m.get("skipped_bytes", 0)) for _, m in metrics)
+        budget += (
+            f", {shards} shard(s) of weights the model never loads skipped ({unused} bytes)" if shards else ""
+        )
         logger.info(
             "%s %.2f seconds (streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
             what,

@@ -7,6 +7,7 @@ which checkpoints are read and what reaches ``model.load_weights``.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -101,8 +102,22 @@ def test_shards_holding_only_unused_weights_are_not_read(tmp_path: Path) -> None
     safetensors.torch.save_file(used, str(directory / "model-00001-of-00002.safetensors"))
     safetensors.torch.save_file(unused, str(directory / "model-00002-of-00002.safetensors"))
     model = StandIn([], unused_prefix="mtp.")
-    assert _load(model, directory) == ["model.layers.0.weight"]
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    plugin_logger = logging.getLogger("vllm.plugins.streamer")
+    level = plugin_logger.level
+    plugin_logger.addHandler(handler)
+    plugin_logger.setLevel(logging.INFO)
+    try:
+        assert _load(model, directory) == ["model.layers.0.weight"]
+    finally:
+        plugin_logger.removeHandler(handler)
+        plugin_logger.setLevel(level)
     assert torch.equal(model.seen["model.layers.0.weight"], used["model.layers.0.weight"])
+    (line,) = [line for line in lines if line.startswith("Loading weights took")]  # what was read, once
+    unused_bytes = sum(t.nbytes for t in unused.values())
+    assert f"1 shard(s) of weights the model never loads skipped ({unused_bytes} bytes)" in line
 
 
 def test_every_shard_unused_reads_them_all_as_vllm_does(model_dir: Path) -> None:
