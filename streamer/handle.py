@@ -137,7 +137,8 @@ class Streamer:
         try:
             # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
             # this handle; closed by close(), or when the handle is collected without it.
-            self._storage = open_storage(source, self.config)
+            reads = self.config.for_fresh_cpu_buffers() if self.device.type == "cpu" else self.config
+            self._storage = open_storage(source, reads)
             weakref.finalize(self, self._storage.close)
             try:
                 # Maybe provisional (a cache's note of the source): a full pass reads from it at

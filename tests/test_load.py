@@ -301,16 +301,37 @@ def test_auto_mode_reads_uncached_files_direct(tmp_path: Path) -> None:
     left = evict_and_verify(written.shards)
     if left:
         pytest.skip(f"the kernel kept {left} bytes cached after POSIX_FADV_DONTNEED")
-    with streamer.open(written.index, config=config(io_mode="auto", block_size=64 * KiB)) as s:
+    unfilled = config(io_mode="auto", block_size=64 * KiB, page_fill=False)  # fresh pages faulted in
+    with streamer.open(written.index, config=unfilled) as s:
         got = dict(iter(s))
         metrics = s.metrics
     assert_same_dict(got, tensors)
     assert metrics["direct_files"] == 2, metrics
     for shard in written.shards:  # O_DIRECT left the cache empty; a buffered read fills it
         shard.read_bytes()
-    with streamer.open(written.index, config=config(io_mode="auto", block_size=64 * KiB)) as s:
+    with streamer.open(written.index, config=unfilled) as s:
         assert_same_dict(dict(iter(s)), tensors)
         assert s.metrics["buffered_files"] == 2, "cached files should be read buffered"
+
+
+def test_auto_mode_reads_cold_files_buffered_into_page_filled_cpu_buffers(tmp_path: Path) -> None:
+    """Where fresh CPU buffers go through the page fill, cold files are read buffered too: the
+    page fill then creates each page holding its bytes."""
+    tensors = {f"w{i}": random_tensor((256 * KiB,), torch.uint8) for i in range(4)}
+    written = write_checkpoint(tmp_path, tensors, shards=2)
+    if not takes_direct_io(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    filled = config(io_mode="auto", block_size=64 * KiB, page_fill=True)
+    assert filled.for_fresh_cpu_buffers().io_mode == "buffered"
+    assert config(io_mode="direct", page_fill=True).for_fresh_cpu_buffers().io_mode == "direct"
+    left = evict_and_verify(written.shards)
+    if left:
+        pytest.skip(f"the kernel kept {left} bytes cached after POSIX_FADV_DONTNEED")
+    with streamer.open(written.index, config=filled) as s:
+        assert_same_dict(dict(iter(s)), tensors)
+        assert s.metrics["buffered_files"] == 2 and s.metrics["direct_files"] == 0, s.metrics
+    unfilled = config(io_mode="auto", block_size=64 * KiB, hugepages=True, page_fill=None)
+    assert unfilled.for_fresh_cpu_buffers().io_mode == "auto"  # huge pages: O_DIRECT, few faults
 
 
 def test_auto_mode_decides_from_the_bytes_a_read_needs(tmp_path: Path) -> None:
@@ -330,7 +351,7 @@ def test_auto_mode_decides_from_the_bytes_a_read_needs(tmp_path: Path) -> None:
         os.close(fd)
     if resident_bytes(shard) > last_begin + 4096:  # the page holding w3's start may stay
         pytest.skip("the kernel kept the evicted tail cached")
-    with streamer.open(shard, config=config(io_mode="auto", block_size=64 * KiB)) as s:
+    with streamer.open(shard, config=config(io_mode="auto", block_size=64 * KiB, page_fill=False)) as s:
         assert_same(s.get_tensor("w0"), tensors["w0"], "w0")
         assert s.metrics["buffered_files"] == 1, "w0's pages are cached: buffered"
         assert_same(s.get_tensor("w3"), tensors["w3"], "w3")
