@@ -629,17 +629,23 @@ def _corrupting(path: str, headers: Mapping[str, str], honest: Any) -> Any:
     return status, fields, body[:-1] + bytes([body[-1] ^ 0x01])
 
 
-def test_a_corrupted_byte_fails_the_load_naming_the_object() -> None:
-    server, config = _hostile(_corrupting, header_bytes=16)
+def _refused_then_read_unchecked(answer: Any, match: str, **overrides: Any) -> torch.Tensor:
+    """The load from a server answering with ``answer`` fails with ``match``, naming the object;
+    the tensor the same load gives with the CRC32C check off."""
+    server, config = _hostile(answer, **overrides)
     try:
-        with pytest.raises(ObjectStoreError, match="CRC32C") as info:
+        with pytest.raises(ObjectStoreError, match=match) as info:
             streamer.load(f"gs://{BUCKET}/m.safetensors", config=config)
         assert info.value.path == f"gs://{BUCKET}/m.safetensors"
         unchecked = dataclasses.replace(config, gcs=dataclasses.replace(config.gcs, verify_crc32c=False))
-        got = streamer.load(f"gs://{BUCKET}/m.safetensors", config=unchecked)
-        assert not torch.equal(got["w"], torch.arange(4096, dtype=torch.float32))  # only the check caught it
+        return streamer.load(f"gs://{BUCKET}/m.safetensors", config=unchecked)["w"]
     finally:
         server.close()
+
+
+def test_a_corrupted_byte_fails_the_load_naming_the_object() -> None:
+    got = _refused_then_read_unchecked(_corrupting, "CRC32C", header_bytes=16)
+    assert not torch.equal(got, torch.arange(4096, dtype=torch.float32))  # only the check caught it
 
 
 def test_an_answer_without_the_crc32c_is_refused_unless_the_check_is_off() -> None:
@@ -647,16 +653,8 @@ def test_an_answer_without_the_crc32c_is_refused_unless_the_check_is_off() -> No
         status, fields, body = honest()
         return status, [(k, v) for k, v in fields if k != "x-goog-hash"], body
 
-    server, config = _hostile(without_hash)
-    try:
-        with pytest.raises(ObjectStoreError, match="no CRC32C") as info:
-            streamer.load(f"gs://{BUCKET}/m.safetensors", config=config)
-        assert info.value.path == f"gs://{BUCKET}/m.safetensors"
-        unchecked = dataclasses.replace(config, gcs=dataclasses.replace(config.gcs, verify_crc32c=False))
-        got = streamer.load(f"gs://{BUCKET}/m.safetensors", config=unchecked)
-        assert torch.equal(got["w"], torch.arange(4096, dtype=torch.float32))
-    finally:
-        server.close()
+    got = _refused_then_read_unchecked(without_hash, "no CRC32C")
+    assert torch.equal(got, torch.arange(4096, dtype=torch.float32))
 
 
 # --- the node cache ------------------------------------------------------------------------------
