@@ -16,7 +16,7 @@ from streamer.config import StreamerConfig, default_config
 from streamer.errors import ConfigError, KeyMismatchError, StreamerError
 from streamer.handle import Order, Streamer
 from streamer.observe.events import LoadRecord, report
-from streamer.plan.checkpoint import Checkpoint, confirmed, read_checkpoint
+from streamer.plan.checkpoint import Checkpoint, KeySelection, confirmed, read_checkpoint
 from streamer.run.assembly import fill
 
 if TYPE_CHECKING:  # a group load imports it (torch.distributed alone costs ~40 ms)
@@ -32,12 +32,14 @@ def open(
     config: StreamerConfig | None = None,
     order: Order = "completion",
     group: dist.ProcessGroup | None = None,
+    keys: KeySelection | None = None,
 ) -> Streamer:
     """Opens a checkpoint: a file, a list of files, a directory or a ``*.index.json``.
 
     ``group``: iterating loads with the ranks of this process group (see ``streamer.group``).
+    ``keys``: only these tensors (names, or a test on a name), as if the checkpoint held no other.
     """
-    return Streamer(source, device=device, config=config, order=order, group=group)
+    return Streamer(source, device=device, config=config, order=order, group=group, keys=keys)
 
 
 def load(
@@ -47,8 +49,9 @@ def load(
     config: StreamerConfig | None = None,
     progress: bool = False,
     group: dist.ProcessGroup | None = None,
+    keys: KeySelection | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, keyed in checkpoint order.
+    """Every tensor of the checkpoint (or those ``keys`` selects), keyed in checkpoint order.
 
     The result holds everything, so for CPU ``memory_limit`` does not apply here (use
     ``open`` to stream under a limit); for a GPU it bounds the host staging ring.
@@ -56,7 +59,7 @@ def load(
     ``group``: every rank of this ``torch.distributed`` group calls ``load`` for the same
     checkpoint; each reads about ``1/N`` of the bytes and receives the rest (``streamer.group``).
     """
-    with Streamer(source, device=device, config=config, group=group) as handle:
+    with Streamer(source, device=device, config=config, group=group, keys=keys) as handle:
         return handle.load_all(progress=progress)
 
 

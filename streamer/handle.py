@@ -24,7 +24,7 @@ from streamer.errors import ConfigError, FileClosedError, StreamerError
 from streamer.format.safetensors import TensorEntry
 from streamer.observe.events import LoadRecord, report
 from streamer.observe.progress import ByteProgress
-from streamer.plan.checkpoint import Checkpoint, TensorRef, confirmed, read_checkpoint
+from streamer.plan.checkpoint import Checkpoint, KeySelection, TensorRef, confirmed, read_checkpoint
 from streamer.plan.readahead import MAX_WINDOW_BYTES, KeyWalk
 from streamer.run.assembly import new_run, new_tensor
 from streamer.run.driver import Run
@@ -116,6 +116,11 @@ class Streamer:
     With ``group`` (a ``torch.distributed`` process group), iterating reads only this rank's
     share of the checkpoint and receives the rest from the other ranks (``streamer.group``: every
     rank must iterate too); ``get_tensor`` and ``read`` still read alone.
+
+    With ``keys`` (names, or a test a name passes), the handle is the checkpoint less every other
+    tensor: ``keys()``, ``nbytes``, iteration and ``get_tensor`` know only those, and no byte of
+    the others is read. Ranks of a group may each select different tensors (an expert-parallel
+    rank its own experts): bytes that several ranks want are read once.
     """
 
     def __init__(
@@ -126,12 +131,16 @@ class Streamer:
         config: StreamerConfig | None = None,
         order: Order = "completion",
         group: dist.ProcessGroup | None = None,
+        keys: KeySelection | None = None,
     ) -> None:
         if order not in ("completion", "checkpoint"):
             raise ConfigError(f"order must be 'completion' or 'checkpoint', got {order!r}")
+        if isinstance(keys, (str, bytes)):
+            raise ConfigError(f"keys takes tensor names (a list or set) or a test on a name, got {keys!r}")
         self.device = parse_device(device)
         self.config = config if config is not None else default_config()
         self._order = order
+        self._keys = keys
         source = as_source(source)
         self._record = LoadRecord(source, self.device.type)  # the load's one event
         try:
@@ -143,7 +152,7 @@ class Streamer:
             try:
                 # Maybe provisional (a cache's note of the source): a full pass reads from it at
                 # once, everything else waits for the storage to confirm it (``checkpoint``).
-                self._checkpoint = read_checkpoint(self._storage, source)
+                self._checkpoint = self._selected(read_checkpoint(self._storage, source))
             except BaseException:
                 self._storage.close()
                 raise
@@ -235,8 +244,12 @@ class Streamer:
             return False
         checkpoint = confirmed(self._storage, self._checkpoint)
         self._provisional = False
-        replaced, self._checkpoint = checkpoint is not self._checkpoint, checkpoint
+        replaced = checkpoint is not self._checkpoint
+        self._checkpoint = self._selected(checkpoint) if replaced else checkpoint
         return replaced
+
+    def _selected(self, checkpoint: Checkpoint) -> Checkpoint:
+        return checkpoint if self._keys is None else checkpoint.only(self._keys)
 
     @property
     def read_cost(self) -> ReadCost:

@@ -329,6 +329,22 @@ def _subsets(
     return report
 
 
+def _selected(
+    rank: int, world: int, source: str, shards: list[str], settings: StreamerConfig
+) -> dict[str, Any]:
+    """Each rank opens the checkpoint with ``keys``: the tensors every rank wants and its own
+    ``large.*`` one (what an expert-parallel rank asks for), rank 0 by names, the others by a test."""
+    expected = _reference(shards)
+    wanted = {"matrix", "scalar", f"large.{rank:02d}"}
+    keys = sorted(wanted) if rank == 0 else wanted.__contains__
+    with streamer.open(source, config=settings, group=dist.group.WORLD, keys=keys) as handle:
+        report: dict[str, Any] = {"keys": handle.keys(), "nbytes": handle.nbytes}
+        got = {name: tensor for name, tensor in handle}
+        report["metrics"] = handle.metrics
+    report["got"] = _differences(got, {name: expected[name] for name in wanted})
+    return report
+
+
 def _shm_per_rank(
     rank: int, world: int, source: str, shards: list[str], directories: list[str | None]
 ) -> dict[str, Any]:
@@ -462,6 +478,7 @@ SCENARIOS = {
     "remote": _remote,
     "failures": _failures,
     "subsets": _subsets,
+    "selected": _selected,
     "shm_per_rank": _shm_per_rank,
 }
 
@@ -535,6 +552,25 @@ def test_each_rank_gets_exactly_the_slices_it_asked_for_and_unwanted_bytes_are_n
         # Only pieces it wants come to a rank (a piece may hold a little more than its share).
         assert group["received_bytes"] <= report["wanted_bytes"] + 4 * 128 * KiB
     assert reports[2]["metrics"]["group"]["received_bytes"] < union - tensors["large.01"].nbytes
+
+
+def test_ranks_that_select_different_keys_read_what_they_share_once_and_nothing_unselected(
+    tmp_path: Path, written: Written
+) -> None:
+    shards = [str(s) for s in written.shards]
+    reports = _spawn(tmp_path, 2, "selected", str(written.source), shards, config(io_mode="buffered"))
+    tensors = written.tensors
+    shared = tensors["matrix"].nbytes + tensors["scalar"].nbytes
+    union = shared + tensors["large.00"].nbytes + tensors["large.01"].nbytes
+    reads = [r["metrics"]["bytes_read"] for r in reports]
+    pieces = reports[0]["metrics"]["group"]["pieces"]
+    assert union <= sum(reads) <= union + pieces * 2 * 4 * KiB, (reads, union)
+    for rank, report in enumerate(reports):
+        assert report["got"] == [], f"rank {rank}: {report['got']}"
+        mine = {"matrix", "scalar", f"large.{rank:02d}"}
+        assert report["keys"] == [name for name in _reference(shards) if name in mine]
+        assert report["nbytes"] == shared + tensors[f"large.{rank:02d}"].nbytes
+        assert report["metrics"]["bytes"] == report["nbytes"] and report["metrics"]["tensors"] == 3
 
 
 def test_the_shared_copy_is_private_to_each_rank_once_handed_out_and_unmapped_after(

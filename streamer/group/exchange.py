@@ -126,10 +126,12 @@ class GroupExchange:
         }
 
     def measured(self) -> dict[str, Any]:
-        """The run's ``metrics`` with the exchange's ``stats`` under ``group`` ({} before a run)."""
+        """The run's ``metrics`` with the exchange's ``stats`` under ``group`` ({} before a run);
+        ``tensors`` and ``bytes`` are what this rank was handed, not the pieces it read."""
         if self.run is None:
             return {}
-        return {**self.run.metrics.as_dict(), "group": self.stats()}
+        handed = {"tensors": len(self._refs), "bytes": sum(ref.entry.nbytes for ref in self._refs)}
+        return {**self.run.metrics.as_dict(), **handed, "group": self.stats()}
 
     def results(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         return self._exchange()  # closes at the end, on error, or when abandoned

@@ -5,7 +5,8 @@ Pure data: the storage session that read it (and serves its runs) belongs to the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from streamer.backends import open_storage
@@ -14,6 +15,9 @@ from streamer.backends.sources import ResolvedSource, SourceArg, SourceLike, as_
 from streamer.config import S3Config, StreamerConfig, default_config
 from streamer.errors import MissingTensorError, SourceError, StreamerError
 from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
+
+KeySelection = Callable[[str], bool] | Collection[str]
+"""Which tensors a handle reads: their names, or a test a name passes."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,17 @@ class Checkpoint:
 
     def refs(self) -> Iterator[TensorRef]:
         return iter(self.tensors.values())
+
+    def only(self, keys: KeySelection) -> Checkpoint:
+        """The checkpoint as if it held only the tensors ``keys`` names (a collection of names, every
+        one of which must be here, or a predicate on a name); its files and headers stay whole."""
+        if callable(keys):
+            wanted = {name: ref for name, ref in self.tensors.items() if keys(name)}
+        else:
+            for name in keys:
+                self.ref(name)  # a name that is not here raises, naming it
+            wanted = {name: ref for name, ref in self.tensors.items() if name in keys}
+        return dataclasses.replace(self, tensors=wanted)
 
     @property
     def nbytes(self) -> int:
