@@ -45,6 +45,9 @@ def test_every_key() -> None:
     assert options.config.memory_limit == 64 << 20
     assert options.weights == "s3://bucket/llama/"
     assert parse_options({"memory_limit": None}).config.memory_limit == "unlimited"  # null: unbounded
+    switches = parse_options({"distributed": False, "presharded": True, "ep_weight_filter": False})
+    assert (switches.distributed, switches.presharded, switches.ep_weight_filter) == (False, True, False)
+    assert parse_options({}).ep_weight_filter  # expert-parallel ranks read their own experts by default
 
 
 def test_environment_defaults_apply_to_keys_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -74,6 +77,8 @@ def test_unknown_key_lists_the_valid_ones() -> None:
         ({"cache_max_bytes": "0"}, "cache.max_bytes .*'0' is not a size"),
         ({"weights": 3}, "weights must be a path"),
         ({"weights": " "}, "weights must be a path"),
+        ({"distributed": "no"}, "distributed must be true or false, got 'no'"),
+        ({"ep_weight_filter": 0}, "ep_weight_filter must be true or false, got 0"),
     ],
 )
 def test_bad_values(extra: dict[str, object], words: str) -> None:

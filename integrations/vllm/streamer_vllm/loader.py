@@ -35,6 +35,7 @@ from streamer.observe.progress import ByteProgress
 from streamer_vllm import presharded
 from streamer_vllm.checks import check_all_loaded, target_device
 from streamer_vllm.distributed import loading_group
+from streamer_vllm.experts import NameFilter, local_experts_only
 from streamer_vllm.hub import fetch_from_hub
 from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
@@ -95,11 +96,12 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             streamer.open(source).close()  # resolves the files and parses every header
 
     def iterate_weights(
-        self, source: StreamedSource, device: str, metrics: Metrics
+        self, source: StreamedSource, device: str, metrics: Metrics, wanted: NameFilter | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor of ``source`` as it completes, uncopied; ``metrics`` gets streamer's once
-        all were read. Shards holding only weights the model never loads are not read."""
-        handle, skipped = self._open(source, device)
+        """Every tensor of ``source`` that ``wanted`` passes, as it completes, uncopied; ``metrics``
+        gets streamer's once all were read. Shards holding only weights the model never loads,
+        and tensors ``wanted`` fails (another expert-parallel rank's), are not read."""
+        handle, skipped = self._open(source, device, wanted)
         with handle, contextlib.ExitStack() as stack:
             show = enable_tqdm(self.load_config.use_tqdm_on_load)
             bar: ByteProgress | None = None
@@ -111,44 +113,49 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
                 bar.update(tensor.nbytes)
                 yield source.prefix + name, tensor
                 del tensor  # vLLM's reference alone decides when its buffer is free
-        metrics.append(
-            (
-                str(source.source),
-                {**handle.metrics, "skipped_shards": skipped[0], "skipped_bytes": skipped[1]},
-            )
-        )
+        metrics.append((str(source.source), {**handle.metrics, **skipped}))
 
-    def _open(self, source: StreamedSource, device: str) -> tuple[streamer.Streamer, tuple[int, int]]:
-        """``source`` opened, less the shards holding only weights the model never loads (how many
-        were left out, and their tensor bytes)."""
+    def _open(
+        self, source: StreamedSource, device: str, wanted: NameFilter | None
+    ) -> tuple[streamer.Streamer, dict[str, int]]:
+        """``source`` opened with only the tensors ``wanted`` passes, less the shards holding only
+        weights the model never loads; what was left out: shards and tensors, and their bytes."""
         group = loading_group(self.options.distributed and source.shared, device)
-        handle = streamer.open(source.source, device=device, config=self.options.config, group=group)
-        if source.is_unused is None:
-            return handle, (0, 0)
+        settings = self.options.config
+        handle = streamer.open(source.source, device=device, config=settings, group=group, keys=wanted)
+        if wanted is None and source.is_unused is None:
+            return handle, {}  # not asking for the checkpoint: a provisional open reads meanwhile
         try:
-            kept = files_in_use(handle.checkpoint, source.is_unused)
+            headers = handle.checkpoint.headers
+            selected = set(handle.keys())
+            others = [t for h in headers for t in h.tensors if t.name not in selected]
+            skipped = {"skipped_tensors": len(others), "skipped_tensor_bytes": sum(t.nbytes for t in others)}
+            kept = None if source.is_unused is None else files_in_use(handle.checkpoint, source.is_unused)
         except BaseException:
             handle.close()
             raise
         if kept is None:
-            return handle, (0, 0)
-        headers = handle.checkpoint.headers
-        skipped = sum(t.nbytes for h in headers if h.path not in kept for t in h.tensors)
+            return handle, skipped
+        left_out = [h for h in headers if h.path not in kept]
+        skipped["skipped_shards"] = len(left_out)
+        skipped["skipped_bytes"] = sum(t.nbytes for h in left_out for t in h.tensors if t.name in selected)
         handle.close()
-        kept_handle = streamer.open(kept, device=device, config=self.options.config, group=group)
-        return kept_handle, (len(headers) - len(kept), skipped)
+        kept_handle = streamer.open(kept, device=device, config=settings, group=group, keys=wanted)
+        return kept_handle, skipped
 
     def all_weights(
         self, model: nn.Module, model_config: ModelConfig, device: str, metrics: Metrics
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's checkpoint, then its ``secondary_weights``, as the default loader orders them."""
+        """The model's checkpoint, then its ``secondary_weights``, as the default loader orders them;
+        under expert parallelism, without the other ranks' experts (``experts``)."""
         primary = StreamedSource(
             self._source(model_config, model), is_unused=getattr(model, "is_unused_checkpoint_weight", None)
         )
-        yield from self.iterate_weights(primary, device, metrics)
+        wanted = local_experts_only(model_config) if self.options.ep_weight_filter else None
+        yield from self.iterate_weights(primary, device, metrics, wanted)
         for extra in secondary_sources(model, self.load_config):
             if isinstance(extra, StreamedSource):
-                yield from self.iterate_weights(extra, device, metrics)
+                yield from self.iterate_weights(extra, device, metrics, wanted)
             else:
                 logger.info("Secondary weights %r: not safetensors, vLLM's loader reads them", extra.source)
                 yield from delegated_weights(extra)
@@ -224,6 +231,11 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         unused = sum(int(m.get("skipped_bytes", 0)) for _, m in metrics)
         budget += (
             f", {shards} shard(s) of weights the model never loads skipped ({unused} bytes)" if shards else ""
+        )
+        others = sum(int(m.get("skipped_tensors", 0)) for _, m in metrics)
+        others_bytes = sum(int(m.get("skipped_tensor_bytes", 0)) for _, m in metrics)
+        budget += (
+            f", {others} tensor(s) of other ranks' experts skipped ({others_bytes} bytes)" if others else ""
         )
         logger.info(
             "%s %.2f seconds (streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",

@@ -7,7 +7,8 @@ safetensors, when they are not in the model's directory), ``distributed`` (load 
 tensor-parallel group, default true), ``cache_dir`` and ``cache_max_bytes`` (the node cache in
 front of object storage), ``metrics`` (record the load in Prometheus, default true: vLLM's
 ``/metrics`` shows it) and ``presharded`` (remote weights are each rank's own files, as vLLM's
-``sharded_state`` writes them; a local directory of such files is found without it). What is
+``sharded_state`` writes them; a local directory of such files is found without it) and
+``ep_weight_filter`` (under expert parallelism, read only this rank's experts; default true). What is
 not given keeps ``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an
 unset ``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
 """
@@ -34,6 +35,7 @@ KEYS = (
     "cache_max_bytes",
     "metrics",
     "presharded",
+    "ep_weight_filter",
 )
 METRICS_DIR_ENV = "STREAMER_VLLM_METRICS_DIR"  # where the engine's processes leave their series
 _CACHE_KEYS = {"cache_dir": "dir", "cache_max_bytes": "max_bytes"}
@@ -48,6 +50,7 @@ class LoaderOptions:
     weights: str | None = None
     distributed: bool = True  # load through vLLM's TP group when there is one
     presharded: bool = False  # the weights are each rank's own files (found for local directories)
+    ep_weight_filter: bool = True  # under expert parallelism, other ranks' experts are not read
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
@@ -72,17 +75,14 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     weights = extra.get("weights")
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
         raise ConfigError(f"weights must be a path or an s3://, gs:// or az:// URI, got {weights!r}")
-    distributed = extra.get("distributed", True)
-    if not isinstance(distributed, bool):
-        raise ConfigError(f"distributed must be true or false, got {distributed!r}")
-    presharded = extra.get("presharded", False)
-    if not isinstance(presharded, bool):
-        raise ConfigError(f"presharded must be true or false, got {presharded!r}")
+    switch_defaults = {"distributed": True, "presharded": False, "ep_weight_filter": True}
+    switches = {key: extra.get(key, default) for key, default in switch_defaults.items()}
+    for key, value in switches.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
     changes["metrics"] = extra.get("metrics", defaults.metrics if "STREAMER_METRICS" in os.environ else True)
     config = dataclasses.replace(defaults, **changes)  # __post_init__ parses every value
-    return LoaderOptions(
-        config=_collected(config), weights=weights, distributed=distributed, presharded=presharded
-    )
+    return LoaderOptions(config=_collected(config), weights=weights, **switches)
 
 
 def _collected(config: StreamerConfig) -> StreamerConfig:

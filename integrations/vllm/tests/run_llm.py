@@ -24,12 +24,11 @@ MAX_TOKENS = 12
 KV_CACHE_BYTES = 64 << 20  # far more than 4 sequences of 128 tokens of the tiny model need
 
 
-def main() -> None:
-    from vllm import LLM, SamplingParams
-
-    model, load_format = sys.argv[1], sys.argv[2]
-    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    overrides = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+def llm_arguments(argv: list[str]) -> dict[str, Any]:
+    """``LLM``'s arguments from ``MODEL LOAD_FORMAT [EXTRA_CONFIG_JSON [LLM_KWARGS_JSON]]``."""
+    model, load_format = argv[0], argv[1]
+    extra = json.loads(argv[2]) if len(argv) > 2 else {}
+    overrides = json.loads(argv[3]) if len(argv) > 3 else {}
     kwargs = {
         "model": model,
         "load_format": load_format,
@@ -41,8 +40,14 @@ def main() -> None:
         "enforce_eager": True,
         "seed": 0,
     }
+    return kwargs | overrides
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+
     reloads = json.loads(sys.argv[5]) if len(sys.argv) > 5 else []
-    llm = LLM(**(kwargs | overrides))
+    llm = LLM(**llm_arguments(sys.argv[1:]))
     sampling = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate(PROMPTS, sampling)
     result: dict[str, Any] = {

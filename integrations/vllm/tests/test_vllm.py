@@ -525,3 +525,84 @@ def test_a_presharded_checkpoint_is_read_rank_by_rank(
         )
         found = re.search(r"streamer: (\d+) bytes, (\d+) read here", line)
         assert found and int(found[1]) == own and own <= int(found[2]) < own * 1.01, (line, own)
+
+
+# --- mixtures of experts ----------------------------------------------------------------------------
+
+EP2 = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+EXPERTS = 8
+
+
+@pytest.fixture(scope="module", params=sorted(tiny_model.MOE_FAMILIES))
+def moe_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_model.build_moe(tmp_path_factory.mktemp(request.param), request.param, experts=EXPERTS)
+
+
+def test_a_mixture_of_experts_generates_the_safetensors_tokens(moe_dir: Path, scratch: Path) -> None:
+    ours = result_of(run_llm(moe_dir, "streamer", None, scratch))
+    assert ours["token_ids"] == result_of(run_llm(moe_dir, "safetensors", None, scratch))["token_ids"]
+
+
+def loaded_weights(
+    model: Path, load_format: str, extra: dict[str, Any] | None, cwd: Path, overrides: dict[str, Any]
+) -> tuple[list[dict[str, str]], str]:
+    """Each rank's digests of what it loaded (loaded_weights.py), and the run's log."""
+    settings = (json.dumps(extra or {}), json.dumps(overrides))
+    args = [str(HERE / "loaded_weights.py"), str(model), load_format, *settings]
+    env = vllm_env(True) | TP2 | {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # a function rpc
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT
+    )
+    return result_of(proc)["ranks"], proc.stderr + proc.stdout
+
+
+def _expert_bytes(model: Path) -> tuple[int, list[int]]:
+    """The checkpoint's bytes outside the experts' weights, and each of two ranks' experts' bytes
+    (vLLM's linear placement: rank 0 experts 0-3, rank 1 experts 4-7)."""
+    dense, ranks = 0, [0, 0]
+    for path in model.glob("*.safetensors"):
+        for name, tensor in safetensors.torch.load_file(path).items():
+            found = re.search(r"\.experts\.(\d+)\.", name)
+            if found and name.endswith(".weight"):
+                ranks[int(found[1]) * 2 // EXPERTS] += tensor.nbytes
+            else:
+                dense += tensor.nbytes
+    return dense, ranks
+
+
+def _streamer_lines(log: str) -> dict[int, list[tuple[int, int]]]:
+    """Per rank, each load's (bytes loaded, bytes read here) from the plugin's log line."""
+    lines: dict[int, list[tuple[int, int]]] = {0: [], 1: []}
+    for line in log.splitlines():
+        found = re.search(
+            r"Worker_TP(\d).*Loading weights took.*streamer: (\d+) bytes, (\d+) read here", line
+        )
+        if found:
+            lines[int(found[1])].append((int(found[2]), int(found[3])))
+    return lines
+
+
+def test_expert_parallel_ranks_load_what_the_default_loader_does_reading_only_their_experts(
+    moe_dir: Path, scratch: Path
+) -> None:
+    """EP=2 (TP=2 with --enable-expert-parallel): each rank's weights equal those the default
+    loader gives it (with vLLM's own expert filter on), and it loads the dense weights and its
+    four experts only. Alone (``distributed: false``) a rank reads just those bytes; through the
+    TP group the ranks read the checkpoint once between them."""
+    theirs, _ = loaded_weights(moe_dir, "safetensors", None, scratch, EP2 | {"enable_ep_weight_filter": True})
+    dense, experts = _expert_bytes(moe_dir)
+    total = dense + sum(experts)
+    for extra in ({}, {"distributed": False}):
+        ours, log = loaded_weights(moe_dir, "streamer", extra, scratch, EP2)
+        assert ours == theirs, extra
+        lines = _streamer_lines(log)
+        for rank in (0, 1):
+            assert len(lines[rank]) == 2, log[-3000:]  # the engine's load, then the digested one
+            for loaded, read in lines[rank]:
+                assert loaded == dense + experts[rank], (rank, loaded, dense, experts)
+                if extra:  # alone: this rank's tensors, rounded out to pages at most
+                    assert loaded <= read < loaded + 64 * 4096, (rank, read, loaded)
+        assert "tensor(s) of other ranks' experts skipped" in log
+        if not extra:  # as a group: every byte once, shared by the two ranks
+            reads = [lines[0][0][1], lines[1][0][1]]
+            assert total <= sum(reads) < total + 64 * 4096 and max(reads) < 0.6 * total, (reads, total)

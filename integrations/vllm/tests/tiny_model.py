@@ -1,7 +1,9 @@
-"""A random Llama and a tokenizer built locally (no model hub), for vLLM tests and benchmarks.
+"""A random Llama (or MoE) and a tokenizer built locally (no model hub), for vLLM tests and benchmarks.
 
 ``python tiny_model.py DIR [--hidden N --layers N --intermediate N --vocab N --shards-of SIZE]``
-writes ``config.json``, the safetensors weights (float32) and a tokenizer into ``DIR``.
+writes ``config.json``, the safetensors weights (float32) and a tokenizer into ``DIR``;
+``--moe mixtral|qwen3_moe`` makes the MLPs mixtures of experts, one tensor per expert weight as
+the hub's checkpoints of those families name them.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 CORPUS = (
     "the a an of to in and is was for on with as by at from that this it be are or not have "
@@ -89,6 +92,82 @@ def build(
     return directory
 
 
+MOE_FAMILIES = {
+    # family: (architecture, the MLP's module name, the experts' weight names)
+    "mixtral": ("MixtralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def build_moe(directory: str | Path, family: str, *, experts: int = 8, seed: int = 0, **dense: Any) -> Path:
+    """A Llama from ``build`` whose MLPs are replaced by ``experts`` experts (top 2) of ``family``,
+    saved as one safetensors file per 1 MB (several shards, an index)."""
+    import torch
+    from safetensors.torch import load_file
+
+    directory = build(directory, seed=seed, **dense)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(path))
+        path.unlink()
+    for index in directory.glob("*.index.json"):
+        index.unlink()
+    config = json.loads((directory / "config.json").read_text())
+    hidden, heads, width = config["hidden_size"], config["num_attention_heads"], config["intermediate_size"]
+    architecture, module, (gate, up, down) = MOE_FAMILIES[family]
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.5
+
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        for name in [name for name in tensors if name.startswith(f"{prefix}.mlp.")]:
+            del tensors[name]
+        tensors[f"{prefix}.{module}.gate.weight"] = weight(experts, hidden)
+        for expert in range(experts):
+            at = f"{prefix}.{module}.experts.{expert}"
+            tensors[f"{at}.{gate}.weight"] = weight(width, hidden)
+            tensors[f"{at}.{up}.weight"] = weight(width, hidden)
+            tensors[f"{at}.{down}.weight"] = weight(hidden, width)
+        if family == "qwen3_moe":  # Qwen3 normalises queries and keys per head
+            tensors[f"{prefix}.self_attn.q_norm.weight"] = torch.ones(hidden // heads)
+            tensors[f"{prefix}.self_attn.k_norm.weight"] = torch.ones(hidden // heads)
+    _save_sharded(directory, tensors)
+    config.update(architectures=[architecture], model_type=family, num_experts_per_tok=2)
+    if family == "mixtral":
+        config.update(num_local_experts=experts)
+    else:
+        config.update(
+            num_experts=experts, moe_intermediate_size=width, decoder_sparse_step=1, mlp_only_layers=[],
+            norm_topk_prob=True, head_dim=hidden // heads,
+        )  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def _save_sharded(directory: Path, tensors: dict[str, Any], shard_bytes: int = 1 << 20) -> None:
+    """``tensors`` in files of about ``shard_bytes`` each, in name order, with an HF index."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        if shards[-1] and size + tensors[name].nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name].contiguous()
+        size += tensors[name].nbytes
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+        file_name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("directory", type=Path)
@@ -98,7 +177,13 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--shard-size", help="e.g. 500MB: several shards and an index")
+    parser.add_argument("--moe", choices=sorted(MOE_FAMILIES), help="mixtures of experts as MLPs")
     args = parser.parse_args()
+    if args.moe:
+        sizes = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab}
+        build_moe(args.directory, args.moe, intermediate=args.intermediate, **sizes)
+        print(args.directory)
+        return
     build(
         args.directory,
         hidden=args.hidden,
