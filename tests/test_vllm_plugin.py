@@ -21,6 +21,7 @@ from streamer_vllm.checks import check_all_loaded, target_device  # noqa: E402
 from streamer_vllm.load_settings import HONOURED, REFUSED, check_load_config  # noqa: E402
 from streamer_vllm.options import KEYS, METRICS_DIR_ENV, parse_options, weights_source  # noqa: E402
 from streamer_vllm.presharded import is_presharded  # noqa: E402
+from streamer_vllm.slices import probe_slices  # noqa: E402
 
 
 def test_no_keys_keeps_streamer_defaults_and_its_auto_budget(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,3 +219,59 @@ def test_presharded_files_are_known_by_their_names() -> None:
     assert parse_options({"presharded": True}).presharded and not parse_options({}).presharded
     with pytest.raises(ConfigError, match="presharded"):
         parse_options({"presharded": "yes"})
+
+
+class _ShardedModel(nn.Module):
+    """Rank 1 of 2 as vLLM's parallel layers load: rows of a column-parallel weight, columns of a
+    row-parallel one, a replicated norm; ``extra`` maps other names to what their loader does."""
+
+    def __init__(self, extra: dict[str, object] | None = None) -> None:
+        super().__init__()
+        self.column = nn.Parameter(torch.zeros(4, 6))
+        self.row = nn.Parameter(torch.zeros(6, 2))
+        self.norm = nn.Parameter(torch.zeros(6))
+        self.extra = extra or {}
+
+    def load_weights(self, weights: object) -> set[str]:
+        for name, tensor in weights:  # type: ignore[attr-defined]
+            if name == "column":
+                self.column.data.copy_(tensor.narrow(0, 4, 4))
+            elif name == "row":
+                self.row.data[:, :2] = tensor.narrow(1, 2, 2)
+            elif name == "norm":
+                self.norm.data.copy_(tensor)
+            else:
+                self.extra[name](self, tensor)  # type: ignore[operator]
+        return {"column", "row", "norm"}
+
+
+SHAPES = {"column": ((8, 6), torch.float32), "row": ((6, 4), torch.float32), "norm": ((6,), torch.float32)}
+
+
+def test_probes_learn_each_ranks_slice_and_leave_the_model_untouched() -> None:
+    model = _ShardedModel()
+    slices = probe_slices(model, SHAPES)
+    assert slices == {"column": (slice(4, 8), slice(0, 6)), "row": (slice(0, 6), slice(2, 4))}
+    assert not model.column.any() and not model.row.any()  # nothing was copied
+
+
+@pytest.mark.parametrize(
+    "loader",
+    [
+        lambda model, tensor: model.norm.data.copy_(tensor.to(torch.float16).reshape(-1)[:6]),  # converted
+        lambda model, tensor: model.norm.data.copy_((tensor * 2).reshape(-1)[:6]),  # computed on
+        lambda model, tensor: [model.norm.data.copy_(tensor[0]), model.norm.data.copy_(tensor[1])],  # twice
+        lambda model, tensor: model.norm.data.copy_(tensor.t()[:3].reshape(-1)),  # not a box of it
+        lambda model, tensor: model.norm.data.copy_(torch.cat(tensor.chunk(2))[:1].reshape(-1)),  # combined
+    ],
+)
+def test_a_probe_used_otherwise_than_copied_from_is_read_whole(loader: object) -> None:
+    shapes = {**SHAPES, "other": ((2, 6), torch.float32)}
+    slices = probe_slices(_ShardedModel({"other": loader}), shapes)
+    assert "other" not in slices and "column" in slices
+
+
+def test_a_tensor_whose_loader_fails_on_a_probe_is_read_whole_and_the_others_sliced() -> None:
+    needs_a_value = {"other": lambda model, tensor: float(tensor.sum().item())}  # meta tensors have none
+    slices = probe_slices(_ShardedModel(needs_a_value), {**SHAPES, "other": ((3,), torch.float32)})
+    assert set(slices) == {"column", "row"}

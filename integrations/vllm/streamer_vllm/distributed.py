@@ -25,3 +25,13 @@ def loading_group(enabled: bool, device: str) -> dist.ProcessGroup | None:
         return None
     group: dist.ProcessGroup = tp.device_group if device.startswith("cuda") else tp.cpu_group
     return group
+
+
+def tensor_parallel_size() -> int:
+    """vLLM's tensor-parallel size in this process (1 before its groups exist)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    size: int = parallel_state.get_tp_group().world_size
+    return size

@@ -26,8 +26,10 @@ NameFilter = Callable[[str], bool]
 def local_experts_only(model_config: ModelConfig) -> NameFilter | None:
     """A test that a checkpoint name passes unless it is another rank's expert weight; ``None``
     when this rank loads every expert (no expert parallelism, EPLB, or a dense model)."""
+    if not model_config.is_moe:
+        return None
     parallel = get_current_vllm_config().parallel_config
-    if not (model_config.is_moe and parallel.enable_expert_parallel) or parallel.enable_eplb:
+    if not parallel.enable_expert_parallel or parallel.enable_eplb:
         return None
     num_experts = model_config.get_num_experts()
     if num_experts <= 0:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Generator, Iterator
+from collections.abc import Collection, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -34,12 +34,13 @@ from streamer.backends.sources import SourceLike
 from streamer.observe.progress import ByteProgress
 from streamer_vllm import presharded
 from streamer_vllm.checks import check_all_loaded, target_device
-from streamer_vllm.distributed import loading_group
+from streamer_vllm.distributed import loading_group, tensor_parallel_size
 from streamer_vllm.experts import NameFilter, local_experts_only
 from streamer_vllm.hub import fetch_from_hub
 from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
 from streamer_vllm.secondary import StreamedSource, delegated_weights, files_in_use, secondary_sources
+from streamer_vllm.slices import Index, probe_slices
 
 Metrics = list[tuple[str, dict[str, Any]]]  # per checkpoint read: where from, streamer's metrics
 
@@ -96,12 +97,18 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             streamer.open(source).close()  # resolves the files and parses every header
 
     def iterate_weights(
-        self, source: StreamedSource, device: str, metrics: Metrics, wanted: NameFilter | None = None
+        self,
+        source: StreamedSource,
+        device: str,
+        metrics: Metrics,
+        wanted: NameFilter | None = None,
+        slices: Mapping[str, Index] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor of ``source`` that ``wanted`` passes, as it completes, uncopied; ``metrics``
         gets streamer's once all were read. Shards holding only weights the model never loads,
-        and tensors ``wanted`` fails (another expert-parallel rank's), are not read."""
-        handle, skipped = self._open(source, device, wanted)
+        and tensors ``wanted`` fails (another expert-parallel rank's), are not read. The tensors
+        of ``slices`` come last, only their slice read (``slices.py``)."""
+        handle, skipped = self._open(source, device, wanted, slices or {})
         with handle, contextlib.ExitStack() as stack:
             show = enable_tqdm(self.load_config.use_tqdm_on_load)
             bar: ByteProgress | None = None
@@ -114,21 +121,47 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
                 yield source.prefix + name, tensor
                 del tensor  # vLLM's reference alone decides when its buffer is free
         metrics.append((str(source.source), {**handle.metrics, **skipped}))
+        if slices:
+            yield from self._sliced(source, device, slices, metrics)
+
+    def _sliced(
+        self, source: StreamedSource, device: str, slices: Mapping[str, Index], metrics: Metrics
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each tensor of ``slices`` at its full shape, only the slice read and filled: the part
+        the model's loader was seen to copy (the rest is never looked at)."""
+        loaded = read = unread = 0
+        with streamer.safe_open(source.source, device=device, config=self.options.config) as opened:
+            for name, index in slices.items():
+                whole = opened.get_slice(name)
+                part = whole[index]
+                read += int(opened.handle.metrics.get("bytes_read", 0))
+                tensor = torch.empty(whole.get_shape(), dtype=part.dtype, device=part.device)
+                tensor[index] = part
+                loaded += part.nbytes
+                unread += tensor.nbytes - part.nbytes
+                yield source.prefix + name, tensor
+                del tensor, part
+        sliced = {"sliced_tensors": len(slices), "sliced_unread_bytes": unread}
+        metrics.append((str(source.source), {"bytes": loaded, "bytes_read": read, **sliced}))
 
     def _open(
-        self, source: StreamedSource, device: str, wanted: NameFilter | None
+        self, source: StreamedSource, device: str, wanted: NameFilter | None, sliced: Collection[str]
     ) -> tuple[streamer.Streamer, dict[str, int]]:
-        """``source`` opened with only the tensors ``wanted`` passes, less the shards holding only
-        weights the model never loads; what was left out: shards and tensors, and their bytes."""
+        """``source`` opened with only the tensors ``wanted`` passes and not ``sliced``, less the
+        shards holding only weights the model never loads; what was left out: shards and tensors
+        (other ranks' experts), and their bytes."""
         group = loading_group(self.options.distributed and source.shared, device)
         settings = self.options.config
-        handle = streamer.open(source.source, device=device, config=settings, group=group, keys=wanted)
+        keys = (
+            wanted if not sliced else (lambda name: name not in sliced and (wanted is None or wanted(name)))
+        )
+        handle = streamer.open(source.source, device=device, config=settings, group=group, keys=keys)
         if wanted is None and source.is_unused is None:
             return handle, {}  # not asking for the checkpoint: a provisional open reads meanwhile
         try:
             headers = handle.checkpoint.headers
             selected = set(handle.keys())
-            others = [t for h in headers for t in h.tensors if t.name not in selected]
+            others = [t for h in headers for t in h.tensors if wanted is not None and not wanted(t.name)]
             skipped = {"skipped_tensors": len(others), "skipped_tensor_bytes": sum(t.nbytes for t in others)}
             kept = None if source.is_unused is None else files_in_use(handle.checkpoint, source.is_unused)
         except BaseException:
@@ -140,25 +173,52 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         skipped["skipped_shards"] = len(left_out)
         skipped["skipped_bytes"] = sum(t.nbytes for h in left_out for t in h.tensors if t.name in selected)
         handle.close()
-        kept_handle = streamer.open(kept, device=device, config=settings, group=group, keys=wanted)
+        kept_handle = streamer.open(kept, device=device, config=settings, group=group, keys=keys)
         return kept_handle, skipped
 
     def all_weights(
-        self, model: nn.Module, model_config: ModelConfig, device: str, metrics: Metrics
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        device: str,
+        metrics: Metrics,
+        slices: Mapping[str, Index] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's checkpoint, then its ``secondary_weights``, as the default loader orders them;
-        under expert parallelism, without the other ranks' experts (``experts``)."""
+        under expert parallelism, without the other ranks' experts (``experts.py``); of the
+        checkpoint's tensors in ``slices``, only their slice."""
         primary = StreamedSource(
             self._source(model_config, model), is_unused=getattr(model, "is_unused_checkpoint_weight", None)
         )
         wanted = local_experts_only(model_config) if self.options.ep_weight_filter else None
-        yield from self.iterate_weights(primary, device, metrics, wanted)
+        yield from self.iterate_weights(primary, device, metrics, wanted, slices)
         for extra in secondary_sources(model, self.load_config):
             if isinstance(extra, StreamedSource):
                 yield from self.iterate_weights(extra, device, metrics, wanted)
             else:
                 logger.info("Secondary weights %r: not safetensors, vLLM's loader reads them", extra.source)
                 yield from delegated_weights(extra)
+
+    def _tensor_parallel_slices(
+        self, model: nn.Module, model_config: ModelConfig, device: str
+    ) -> dict[str, Index] | None:
+        """What this rank keeps of each checkpoint tensor (``slices.py``), when it is a tensor-
+        parallel rank loading without a group and the model is not quantized (quantization methods
+        make parameters of their own; those load whole)."""
+        if model_config.quantization is not None or loading_group(self.options.distributed, device):
+            return None
+        if tensor_parallel_size() < 2:
+            return None
+        wanted = local_experts_only(model_config) if self.options.ep_weight_filter else None
+        with streamer.open(
+            self._source(model_config, model), config=self.options.config, keys=wanted
+        ) as handle:
+            shapes = {
+                name: (tuple(ref.entry.shape), ref.entry.dtype.torch_dtype)
+                for name, ref in handle.checkpoint.tensors.items()
+                if ref.entry.dtype.per_item == 1  # packed dtypes (F4) load whole
+            }
+        return probe_slices(model, shapes) or None
 
     def get_all_weights(
         self, model_config: ModelConfig, model: nn.Module
@@ -182,7 +242,9 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             presharded.copy_into(model, tensors, os.path.dirname(own[0]))
         else:
             # vLLM models define load_weights(Iterable[(name, tensor)]) -> the loaded parameter names
-            loaded = cast(Any, model).load_weights(self.all_weights(model, model_config, device, metrics))
+            slices = self._tensor_parallel_slices(model, model_config, device)
+            weights = self.all_weights(model, model_config, device, metrics, slices)
+            loaded = cast(Any, model).load_weights(weights)
         _first_location.setdefault(model, model_config.model)
         self._log("Loading weights took", time.perf_counter() - started, device, metrics)
         if own is None:
@@ -237,13 +299,20 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         budget += (
             f", {others} tensor(s) of other ranks' experts skipped ({others_bytes} bytes)" if others else ""
         )
+        sliced = sum(int(m.get("sliced_tensors", 0)) for _, m in metrics)
+        unread = sum(int(m.get("sliced_unread_bytes", 0)) for _, m in metrics)
+        budget += (
+            f", {sliced} tensor(s) read as this rank's tensor-parallel slices ({unread} bytes not read)"
+            if sliced
+            else ""
+        )
         logger.info(
             "%s %.2f seconds (streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
             what,
             seconds,
             nbytes,
             nread,
-            " + ".join(where for where, _ in metrics),
+            " + ".join(dict.fromkeys(where for where, _ in metrics)),  # a source's slices: the same place
             device,
             nbytes / seconds / 1e9 if seconds > 0 else 0.0,
             budget,

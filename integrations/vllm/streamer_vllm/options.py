@@ -4,13 +4,14 @@ Keys (all optional): ``concurrency`` (reader threads), ``block_size`` and ``memo
 as an integer or a size such as ``"16MiB"``; ``memory_limit: null`` means unbounded), ``weights``
 (a local file, directory, ``*.index.json``, ``s3://``, ``gs://`` or ``az://`` URI holding the
 safetensors, when they are not in the model's directory), ``distributed`` (load through vLLM's
-tensor-parallel group, default true), ``cache_dir`` and ``cache_max_bytes`` (the node cache in
-front of object storage), ``metrics`` (record the load in Prometheus, default true: vLLM's
-``/metrics`` shows it) and ``presharded`` (remote weights are each rank's own files, as vLLM's
-``sharded_state`` writes them; a local directory of such files is found without it) and
-``ep_weight_filter`` (under expert parallelism, read only this rank's experts; default true). What is
-not given keeps ``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an
-unset ``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
+tensor-parallel group, default true; without it a rank reads its tensor-parallel slices),
+``cache_dir`` and ``cache_max_bytes`` (the node cache in front of object storage), ``metrics``
+(record the load in Prometheus, default true: vLLM's ``/metrics`` shows it), ``presharded``
+(remote weights are each rank's own files, as vLLM's ``sharded_state`` writes them; a local
+directory of such files is found without it) and ``ep_weight_filter`` (under expert
+parallelism, read only this rank's experts; default true). What is not given keeps
+``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an unset
+``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
 """
 
 from __future__ import annotations

@@ -53,7 +53,9 @@ class StandIn(nn.Module):
 def _load(model: StandIn, model_dir: Path) -> list[str]:
     streamer_vllm.register()
     loader = StreamerModelLoader(LoadConfig(load_format="streamer"))
-    config = SimpleNamespace(model=str(model_dir), model_weights="", revision=None, quantization=None)
+    config = SimpleNamespace(
+        model=str(model_dir), model_weights="", revision=None, quantization=None, is_moe=False
+    )
     loader.load_weights(model, config)  # type: ignore[arg-type]
     return list(model.seen)
 

