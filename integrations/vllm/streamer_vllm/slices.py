@@ -114,18 +114,27 @@ def probe_slices(
     model: nn.Module, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 ) -> dict[str, Index]:
     """For each checkpoint tensor (name: shape, dtype) whose one copied view is a box of at most
-    ``WHOLE_FRACTION`` of it, that box as an index. Each probe goes to ``load_weights`` alone, so a
-    loader that fails on one (it needs a value, or rejects a meta tensor) only makes that one
-    read whole."""
+    ``WHOLE_FRACTION`` of it, that box as an index. The probes go to ``load_weights`` together;
+    if that fails (a loader needs a value, or rejects a meta tensor), each goes alone, so that
+    only the tensors whose loading fails are read whole."""
     loader: Any = model
+    probes = {name: _probe(shape, dtype) for name, (shape, dtype) in tensors.items()}
+    try:
+        loader.load_weights(iter(probes.items()))
+    except Exception as error:
+        logger.debug("probing tensor by tensor: loading every probe at once failed: %r", error)
+        probes = {}
+        for name, (shape, dtype) in tensors.items():
+            probe = _probe(shape, dtype)
+            try:
+                loader.load_weights(iter([(name, probe)]))
+            except Exception as error:
+                logger.debug("%s is read whole: its loader failed on a probe: %r", name, error)
+                continue
+            probes[name] = probe
     slices: dict[str, Index] = {}
-    for name, (shape, dtype) in tensors.items():
-        probe = _probe(shape, dtype)
-        try:
-            loader.load_weights(iter([(name, probe)]))
-        except Exception as error:
-            logger.debug("%s is read whole: its loader failed on a probe: %r", name, error)
-            continue
+    for name, probe in probes.items():
+        shape = tensors[name][0]
         seen = probe._seen
         if seen.whole or len(seen.views) != 1:
             continue
