@@ -22,7 +22,16 @@ from streamer.run.assembly import fill
 if TYPE_CHECKING:  # a group load imports it (torch.distributed alone costs ~40 ms)
     import torch.distributed as dist
 
-__all__ = ["IncompatibleKeys", "Streamer", "check_backend", "load", "load_file", "load_into", "open"]
+__all__ = [
+    "IncompatibleKeys",
+    "Streamer",
+    "check_backend",
+    "load",
+    "load_file",
+    "load_into",
+    "open",
+    "source_files",
+]
 
 
 def open(
@@ -40,6 +49,15 @@ def open(
     ``keys``: only these tensors (names, or a test on a name), as if the checkpoint held no other.
     """
     return Streamer(source, device=device, config=config, order=order, group=group, keys=keys)
+
+
+def source_files(source: SourceArg, *, config: StreamerConfig | None = None) -> list[str]:
+    """The files ``source`` resolves to (a directory's or prefix's listing, an index's shards), in
+    checkpoint order, their headers not read as one checkpoint: files that are not one (each
+    tensor-parallel rank's own, holding the same names) are listed as well."""
+    settings = config if config is not None else default_config()
+    with open_storage(as_source(source), settings) as storage:
+        return list(storage.open(as_source(source)).source.paths)
 
 
 def load(

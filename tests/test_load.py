@@ -698,3 +698,17 @@ def test_raw_entry_helper_lays_bytes_where_the_header_says(tmp_path: Path) -> No
     ref = safetensors.torch.load_file(str(path))
     assert ref["b"].item() == 1.0
     assert_same_dict(streamer.load_file(path), ref)
+
+
+def test_source_files_lists_files_that_do_not_make_one_checkpoint(tmp_path: Path) -> None:
+    """Each tensor-parallel rank's own files (vLLM's ``sharded_state``) hold the same names: not
+    one checkpoint, yet a loader must learn which files are there to pick its own."""
+    for rank in (0, 1):
+        tensors = {"w": torch.full((4,), float(rank)), "b": torch.zeros(2)}
+        safetensors.torch.save_file(tensors, str(tmp_path / f"model-rank-{rank}-part-0.safetensors"))
+    with pytest.raises(streamer.SourceError, match="also defined"):
+        streamer.open(tmp_path)
+    files = streamer.api.source_files(tmp_path)
+    assert files == [str(tmp_path / f"model-rank-{rank}-part-0.safetensors") for rank in (0, 1)]
+    with pytest.raises(streamer.MissingFileError):
+        streamer.api.source_files(tmp_path / "absent")

@@ -30,6 +30,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.weight_utils import enable_tqdm
 
 import streamer
+from streamer.api import source_files
 from streamer.backends.sources import SourceLike
 from streamer.observe.progress import ByteProgress
 from streamer_vllm import presharded
@@ -263,8 +264,7 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         if is_remote(source):
             if not self.options.presharded:
                 return None
-            with streamer.open(source, config=self.options.config) as handle:
-                files = list(handle.files)
+            files = source_files(source, config=self.options.config)  # each rank's files hold the same names
         elif os.path.isdir(source):
             files = sorted(str(path) for path in Path(source).glob("*.safetensors"))
         else:

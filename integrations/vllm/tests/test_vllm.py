@@ -9,6 +9,7 @@ the engine and worker processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -163,8 +164,10 @@ def config_only_copy(model_dir: Path, tmp_path: Path) -> Path:
     return config_only
 
 
-def test_weights_from_s3(model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path) -> None:
-    """``weights: s3://…`` with the S3 store given by the standard AWS environment variables."""
+@contextlib.contextmanager
+def moto_s3() -> Iterator[tuple[Any, dict[str, str]]]:
+    """A moto S3 server on 127.0.0.1 with a bucket ``models``: a boto3 client of it, and the
+    standard AWS environment variables that point a vLLM run at it."""
     boto3 = pytest.importorskip("boto3")
     moto_server = pytest.importorskip("moto.server")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -185,13 +188,19 @@ def test_weights_from_s3(model_dir: Path, scratch: Path, reference: dict[str, An
             region_name="us-east-1",
         )
         s3.create_bucket(Bucket="models")
+        yield s3, env
+    finally:
+        server.stop()
+
+
+def test_weights_from_s3(model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path) -> None:
+    """``weights: s3://…`` with the S3 store given by the standard AWS environment variables."""
+    with moto_s3() as (s3, env):
         s3.upload_file(str(model_dir / "model.safetensors"), "models", "tiny/model.safetensors")
         extra = {"weights": "s3://models/tiny/"}
         proc = run_llm(config_only_copy(model_dir, tmp_path), "streamer", extra, scratch, env=env)
         assert result_of(proc)["token_ids"] == reference["token_ids"]
         assert "from s3://models/tiny/" in proc.stderr + proc.stdout
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize("store", ["gcs", "azure"])
@@ -521,7 +530,8 @@ def test_a_presharded_checkpoint_is_read_rank_by_rank(
     model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path
 ) -> None:
     """vLLM's sharded_state layout, saved by vLLM at TP=2, loads with --load-format streamer at
-    TP=2 (found by its file names): the same tokens, and each rank reads its own files only."""
+    TP=2, found by its file names, and from ``s3://`` with ``presharded``: the same tokens, and
+    each rank reads its own files only."""
     out = tmp_path / "sharded"
     saved = subprocess.run(
         [sys.executable, str(HERE / "save_sharded.py"), str(model_dir), str(out), "2"],
@@ -531,9 +541,24 @@ def test_a_presharded_checkpoint_is_read_rank_by_rank(
     result_of(saved)
     by_rank = {rank: sorted(out.glob(f"model-rank-{rank}-part-*.safetensors")) for rank in (0, 1)}
     assert all(by_rank.values()) and not list(out.glob("model.safetensors"))
-    proc = run_llm(
-        out, "streamer", None, scratch, multiprocess=True, env=TP2, overrides={"tensor_parallel_size": 2}
-    )
+    tp2 = {"tensor_parallel_size": 2}
+    proc = run_llm(out, "streamer", None, scratch, multiprocess=True, env=TP2, overrides=tp2)
+    _each_rank_read_its_own(proc, reference, by_rank)
+    with moto_s3() as (s3, env):  # the same files in a bucket: ``presharded`` says what they are
+        for path in out.glob("*.safetensors"):
+            s3.upload_file(str(path), "models", f"sharded/{path.name}")
+        extra = {"weights": "s3://models/sharded/", "presharded": True}
+        config_only = config_only_copy(out, tmp_path)
+        proc = run_llm(
+            config_only, "streamer", extra, scratch, multiprocess=True, env=TP2 | env, overrides=tp2
+        )
+        _each_rank_read_its_own(proc, reference, by_rank)
+
+
+def _each_rank_read_its_own(
+    proc: subprocess.CompletedProcess[str], reference: dict[str, Any], by_rank: dict[int, list[Path]]
+) -> None:
+    """The reference tokens, and each rank's log line naming only its own files, whose bytes it read."""
     assert result_of(proc)["token_ids"] == reference["token_ids"]
     lines = [line for line in (proc.stderr + proc.stdout).splitlines() if "Loading weights took" in line]
     assert len(lines) == 2, lines
