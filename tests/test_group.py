@@ -538,13 +538,10 @@ def test_every_rank_gets_every_tensor_bit_exact_reading_about_its_share(
 def test_each_rank_gets_exactly_the_slices_it_asked_for_and_unwanted_bytes_are_not_read(
     tmp_path: Path, written: Written
 ) -> None:
-    shards = [str(s) for s in written.shards]
-    reports = _spawn(tmp_path, 3, "subsets", str(written.source), shards, config(io_mode="buffered"))
+    reports = _spawn_buffered(tmp_path, 3, "subsets", written)
     tensors = written.tensors
     union = tensors["matrix"].nbytes + tensors["large.00"].nbytes + tensors["large.01"].nbytes
-    reads = [r["metrics"]["bytes_read"] for r in reports]
-    pieces = reports[0]["metrics"]["group"]["pieces"]
-    assert union <= sum(reads) <= union + pieces * 2 * 4 * KiB, (reads, union)  # read once, nothing else
+    _assert_union_read_once(reports, union)
     for rank, report in enumerate(reports):
         assert report["slices"] == [], f"rank {rank}: {report['slices']}"
         assert report["load_into"] == [], f"rank {rank}: {report['load_into']}"
@@ -554,17 +551,28 @@ def test_each_rank_gets_exactly_the_slices_it_asked_for_and_unwanted_bytes_are_n
     assert reports[2]["metrics"]["group"]["received_bytes"] < union - tensors["large.01"].nbytes
 
 
-def test_ranks_that_select_different_keys_read_what_they_share_once_and_nothing_unselected(
-    tmp_path: Path, written: Written
-) -> None:
+def _spawn_buffered(tmp_path: Path, world: int, scenario: str, written: Written) -> list[Any]:
+    """``scenario`` on ``world`` ranks over ``written``, read buffered (exact byte counts)."""
     shards = [str(s) for s in written.shards]
-    reports = _spawn(tmp_path, 2, "selected", str(written.source), shards, config(io_mode="buffered"))
-    tensors = written.tensors
-    shared = tensors["matrix"].nbytes + tensors["scalar"].nbytes
-    union = shared + tensors["large.00"].nbytes + tensors["large.01"].nbytes
+    return _spawn(tmp_path, world, scenario, str(written.source), shards, config(io_mode="buffered"))
+
+
+def _assert_union_read_once(reports: list[Any], union: int) -> None:
+    """The ranks read the bytes some rank wanted once between them, and nothing else (reads are
+    rounded out to pages at their ends)."""
     reads = [r["metrics"]["bytes_read"] for r in reports]
     pieces = reports[0]["metrics"]["group"]["pieces"]
     assert union <= sum(reads) <= union + pieces * 2 * 4 * KiB, (reads, union)
+
+
+def test_ranks_that_select_different_keys_read_what_they_share_once_and_nothing_unselected(
+    tmp_path: Path, written: Written
+) -> None:
+    reports = _spawn_buffered(tmp_path, 2, "selected", written)
+    shards = [str(s) for s in written.shards]
+    tensors = written.tensors
+    shared = tensors["matrix"].nbytes + tensors["scalar"].nbytes
+    _assert_union_read_once(reports, shared + tensors["large.00"].nbytes + tensors["large.01"].nbytes)
     for rank, report in enumerate(reports):
         assert report["got"] == [], f"rank {rank}: {report['got']}"
         mine = {"matrix", "scalar", f"large.{rank:02d}"}
