@@ -56,8 +56,9 @@ def source_files(source: SourceArg, *, config: StreamerConfig | None = None) -> 
     checkpoint order, their headers not read as one checkpoint: files that are not one (each
     tensor-parallel rank's own, holding the same names) are listed as well."""
     settings = config if config is not None else default_config()
-    with open_storage(as_source(source), settings) as storage:
-        return list(storage.open(as_source(source)).source.paths)
+    text = as_source(source)
+    with open_storage(text, settings) as storage:
+        return list(storage.open(text).source.paths)
 
 
 def load(

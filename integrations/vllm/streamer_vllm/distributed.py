@@ -14,15 +14,11 @@ import torch.distributed as dist
 def loading_group(enabled: bool, device: str) -> dist.ProcessGroup | None:
     """The TP group's CPU (gloo) group for CPU weights, its device (NCCL) group for GPU weights;
     ``None`` when turned off (``"distributed": false``) or when there is no TP group of 2 or more."""
-    if not enabled:
+    if not enabled or tensor_parallel_size() < 2:
         return None
     from vllm.distributed import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        return None
     tp = parallel_state.get_tp_group()
-    if tp.world_size < 2:
-        return None
     group: dist.ProcessGroup = tp.device_group if device.startswith("cuda") else tp.cpu_group
     return group
 

@@ -191,7 +191,7 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         primary = StreamedSource(
             self._source(model_config, model), is_unused=getattr(model, "is_unused_checkpoint_weight", None)
         )
-        wanted = local_experts_only(model_config) if self.options.ep_weight_filter else None
+        wanted = self._wanted(model_config)
         yield from self.iterate_weights(primary, device, metrics, wanted, slices)
         for extra in secondary_sources(model, self.load_config):
             if isinstance(extra, StreamedSource):
@@ -206,20 +206,22 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         """What this rank keeps of each checkpoint tensor (``slices.py``), when it is a tensor-
         parallel rank loading without a group and the model is not quantized (quantization methods
         make parameters of their own; those load whole)."""
-        if model_config.quantization is not None or loading_group(self.options.distributed, device):
+        if model_config.quantization is not None or tensor_parallel_size() < 2:
             return None
-        if tensor_parallel_size() < 2:
+        if loading_group(self.options.distributed, device) is not None:
             return None
-        wanted = local_experts_only(model_config) if self.options.ep_weight_filter else None
-        with streamer.open(
-            self._source(model_config, model), config=self.options.config, keys=wanted
-        ) as handle:
+        source = self._source(model_config, model)
+        with streamer.open(source, config=self.options.config, keys=self._wanted(model_config)) as handle:
             shapes = {
                 name: (tuple(ref.entry.shape), ref.entry.dtype.torch_dtype)
                 for name, ref in handle.checkpoint.tensors.items()
                 if ref.entry.dtype.per_item == 1  # packed dtypes (F4) load whole
             }
         return probe_slices(model, shapes) or None
+
+    def _wanted(self, model_config: ModelConfig) -> NameFilter | None:
+        """The test a checkpoint name passes when this rank reads it (``experts.py``), if any."""
+        return local_experts_only(model_config) if self.options.ep_weight_filter else None
 
     def get_all_weights(
         self, model_config: ModelConfig, model: nn.Module
