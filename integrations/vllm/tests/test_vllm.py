@@ -284,6 +284,29 @@ def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
     assert max(r["rss"] for r in steady) - steady[0]["rss"] < 16 << 20, [r["rss"] for r in steady]
 
 
+def test_a_quantized_model_reloads_layerwise(scratch: Path, tmp_path: Path) -> None:
+    """An AWQ checkpoint, which vLLM repacks for its kernel after loading: the load gives the
+    default loader's tokens, and in-place reloads (vLLM restores each layer's checkpoint layout,
+    loads it and repacks it again) of another AWQ checkpoint and back give the tokens of engines
+    started on each."""
+    original = tiny_model.build_awq(tmp_path / "awq")
+    perturbed = tiny_model.build_awq(tmp_path / "awq-perturbed", seed=1)
+    half = {"dtype": "float16"}
+    expected = [result_of(run_llm(model, "safetensors", None, scratch, overrides=half))["token_ids"]
+                for model in (original, perturbed)]  # fmt: skip
+    assert expected[0] != expected[1]
+    proc = run_llm(
+        original, "streamer", None, scratch, overrides=half, reloads=[str(perturbed), str(original)]
+    )
+    result = result_of(proc)
+    assert result["token_ids"] == expected[0]
+    assert [r["token_ids"] for r in result["reloads"]] == [expected[1], expected[0]]
+    log = proc.stderr + proc.stdout
+    assert "CPUWNA16LinearKernel" in log  # vLLM ran the checkpoint quantized
+    assert log.count("Reading weights for a reload took") == 2
+    assert f"from {perturbed}" in log
+
+
 def test_bad_extra_config_key(model_dir: Path, scratch: Path) -> None:
     proc = run_llm(model_dir, "streamer", {"concurency": 4}, scratch)
     assert proc.returncode != 0

