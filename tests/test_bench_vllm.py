@@ -96,9 +96,9 @@ def test_parse_log() -> None:
     assert vllm_bench.parse_log("nothing") == {}
 
 
-def _run(first: float, weights: float | None) -> dict[str, Any]:
+def _run(first: float, weights: float | None, repeat: int = 0) -> dict[str, Any]:
     run: dict[str, Any] = {
-        "repeat": 0,
+        "repeat": repeat,
         "valid": True,
         "error": None,
         "resident_before_bytes": 0,
@@ -117,8 +117,8 @@ def test_document_and_table_follow_the_schema(tmp_path: Path) -> None:
     args = vllm_bench.build_parser().parse_args(["--model", str(model), "--repeat", "2"])
     failed = {"repeat": 1, "valid": False, "error": "boom", "resident_before_bytes": 0}
     runs = {
-        "safetensors": [_run(30.0, 9.0), _run(32.0, 11.0)],
-        "streamer": [_run(20.0, 2.0), _run(24.0, 3.0)],
+        "safetensors": [_run(30.0, 9.0), _run(32.0, 11.0, repeat=1)],
+        "streamer": [_run(20.0, 2.0), _run(24.0, 3.0, repeat=1)],
         "runai_streamer": [failed],
     }
     skipped = [{"load_format": "x", "reason": "r", "install": "pip install x"}]
@@ -132,6 +132,34 @@ def test_document_and_table_follow_the_schema(tmp_path: Path) -> None:
     assert doc["tokens_agree"] is True
     table = vllm_bench.render(doc)
     assert "31.00 s" in table and "1.41x" in table and "failed" in table
+    assert by_format["streamer"]["paired_vs_streamer"] is None
+    assert by_format["safetensors"]["paired_vs_streamer"]["first_token"]["verdict"] == "too few rounds"
+
+
+def test_peers_get_paired_verdicts_per_round(tmp_path: Path) -> None:
+    """Each peer's seconds over streamer's in the same round: a peer slower in every round is
+    "ahead" for streamer, one that swaps with it is "not separable"; a failed round drops out."""
+    model = _model(tmp_path)
+    args = vllm_bench.build_parser().parse_args(["--model", str(model)])
+    ours = [10.0, 20.0, 12.0, 11.0, 30.0, 10.0]
+    runs = {
+        "streamer": [_run(t, t / 4, repeat=r) for r, t in enumerate(ours)],
+        "safetensors": [_run(t * 1.5, t / 2, repeat=r) for r, t in enumerate(ours)],
+        "runai_streamer": [_run(t * (1.2 if r % 2 else 0.8), None, repeat=r) for r, t in enumerate(ours)],
+    }
+    runs["safetensors"][5] = {"repeat": 5, "valid": False, "error": "boom", "resident_before_bytes": 0}
+    doc = vllm_bench.document(args, [], [model / "model.safetensors"], {}, [], runs)
+    jsonschema.validate(doc, json.loads(vllm_bench.SCHEMA_PATH.read_text()))
+    by_format = {r["load_format"]: r["paired_vs_streamer"] for r in doc["results"]}
+    safetensors = by_format["safetensors"]
+    assert safetensors["first_token"]["rounds"] == 5
+    assert safetensors["first_token"]["ratio"] == pytest.approx(1.5)
+    assert safetensors["first_token"]["verdict"] == "ahead"
+    assert safetensors["weights"]["ratio"] == pytest.approx(2.0)
+    assert by_format["runai_streamer"]["first_token"]["verdict"] == "not separable"
+    assert by_format["runai_streamer"]["weights"]["rounds"] == 0
+    table = vllm_bench.render(doc)
+    assert "safetensors ÷ streamer per round: first token 1.50x [1.50, 1.50] ahead (5 rounds)" in table
 
 
 def test_server_command_line_carries_the_run_settings() -> None:

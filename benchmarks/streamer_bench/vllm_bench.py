@@ -13,8 +13,11 @@ prints in its log are parsed as well, to show where the seconds of a start go:
 progress bar's elapsed time (1 s resolution: that loader prints no time of its own),
 ``Initializing model took``, and the engine's profile/KV-cache/warm-up time.
 
-Runs are interleaved (A B C A B C ...); the table gives medians and min-max, and each format's
-first-token time divided by streamer's (above 1: that format is slower than streamer).
+Runs are interleaved in rounds (A B C, A B C, ...); the table gives medians and min-max, and each
+format's first-token time divided by streamer's (above 1: that format is slower than streamer).
+Below it, each peer's paired verdicts (``streamer_bench.stats``): its first-token and weights
+seconds over streamer's in the same round, the median ratio and its bootstrap 95% interval
+(5 rounds or more).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from streamer_bench import pagecache
+from streamer_bench import pagecache, stats
 from streamer_bench.units import format_bytes, parse_size, positive_int
 
 SCHEMA_ID = "streamer-bench-vllm/1"
@@ -111,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(DEFAULT_FORMATS),
         help=f"comma-separated vLLM load formats (default {','.join(DEFAULT_FORMATS)})",
     )
-    p.add_argument("--repeat", type=positive_int, default=3, help="runs per format, interleaved (default 3)")
+    p.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=5,
+        help="rounds, one run per format each (default 5: a paired verdict needs 5)",
+    )
     p.add_argument(
         "--python",
         default=sys.executable,
@@ -408,8 +416,33 @@ def summarize(fmt: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "median_init_engine_s": _median(values("init_engine_s")),
         "median_compile_s": _median(values("compile_s")),
         "ratio_vs_streamer": None,
+        "paired_vs_streamer": None,
         "runs": runs,
     }
+
+
+PAIRED_FIGURES = {"first_token": "first_token_s", "weights": "weights_s"}
+
+
+def paired(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A peer's seconds over streamer's, round by round, for the first token and the weights."""
+
+    def by_round(runs: list[dict[str, Any]], key: str) -> dict[int, float]:
+        return {r["repeat"]: float(r[key]) for r in runs if r["valid"] and r.get(key) is not None}
+
+    figures = {}
+    for figure, key in PAIRED_FIGURES.items():
+        ratio = stats.compare(by_round(ours, key), by_round(theirs, key))
+        figures[figure] = {"rounds": ratio.rounds, "ratio": ratio.ratio, "low": ratio.low,
+                           "high": ratio.high, "verdict": ratio.verdict}  # fmt: skip
+    return figures
+
+
+def _verdict(figure: dict[str, Any]) -> str:
+    if figure["ratio"] is None:
+        return "-"
+    interval = f" [{figure['low']:.2f}, {figure['high']:.2f}]" if figure["low"] is not None else ""
+    return f"{figure['ratio']:.2f}x{interval} {figure['verdict']} ({figure['rounds']} rounds)"
 
 
 def _s(value: float | None) -> str:
@@ -453,7 +486,13 @@ def render(doc: dict[str, Any]) -> str:
         notes.append("*: from the Run:ai progress bar (1 s resolution; that loader logs no time)")
     if doc["tokens_agree"] is False:
         notes.append("WARNING: the formats generated different first tokens")
-    return "\n".join([*lines, "", *notes])
+    verdicts = [
+        f"{r['load_format']} ÷ streamer per round: first token {_verdict(pairs['first_token'])}; "
+        f"weights {_verdict(pairs['weights'])}"
+        for r in doc["results"]
+        if (pairs := r["paired_vs_streamer"]) is not None
+    ]
+    return "\n".join([*lines, "", *verdicts, *notes])
 
 
 def document(
@@ -469,6 +508,8 @@ def document(
     for r in results:
         if ours is not None and r["median_first_token_s"]:
             r["ratio_vs_streamer"] = r["median_first_token_s"] / ours["median_first_token_s"]
+        if ours is not None and r is not ours:
+            r["paired_vs_streamer"] = paired(ours["runs"], r["runs"])
     firsts = {
         json.dumps(run.get("token_ids") or run.get("text"))
         for fmt_runs in runs.values()
