@@ -75,7 +75,7 @@ def test_python_without_vllm_is_a_usage_error(tmp_path: Path) -> None:
 
 LOG = """
 (Worker pid=1) INFO 11-23 04:23:47 [base_loader.py:82] Initializing model took 0.247581 seconds
-(Worker pid=1) INFO 11-23 04:23:47 [loader.py:101] Loading weights took 1.52 seconds (streamer: 5 bytes)
+(Worker pid=1) INFO [loader.py:101] Loading weights took 1.52 seconds (streamer: 5 B, waiting on reads 0.40 s)
 (E pid=2) INFO 11-23 04:23:48 [core.py:402] init engine (profile, create kv cache, warmup model) took 0.20 s
 """
 RUNAI_LOG = (
@@ -87,6 +87,8 @@ RUNAI_LOG = (
 def test_parse_log() -> None:
     assert vllm_bench.parse_log(LOG) == {
         "weights_s": 1.52,
+        "read_wait_s": 0.40,
+        "weights_ranks": 1,
         "weights_from": "log",
         "init_model_s": pytest.approx(0.247581),
         "init_engine_s": 0.2,
@@ -94,6 +96,9 @@ def test_parse_log() -> None:
     runai = vllm_bench.parse_log(RUNAI_LOG)
     assert runai["weights_s"] == 63.0 and runai["weights_from"].startswith("runai progress bar")
     assert vllm_bench.parse_log("nothing") == {}
+    ranks = LOG + LOG.replace("1.52 seconds", "2.05 seconds") + LOG.replace("1.52 seconds", "0.90 seconds")
+    two = vllm_bench.parse_log(ranks)
+    assert two["weights_s"] == 2.05 and two["weights_ranks"] == 3  # the load ends with its slowest rank
 
 
 def _run(first: float, weights: float | None, repeat: int = 0) -> dict[str, Any]:

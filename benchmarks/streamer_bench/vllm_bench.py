@@ -15,8 +15,8 @@ progress bar's elapsed time (1 s resolution: that loader prints no time of its o
 
 Runs are interleaved in rounds (A B C, A B C, ...); the table gives medians and min-max, and each
 format's first-token time divided by streamer's (above 1: that format is slower than streamer).
-Below it, each peer's paired verdicts (``streamer_bench.stats``): its first-token and weights
-seconds over streamer's in the same round, the median ratio and its bootstrap 95% interval
+Below it, each peer's paired verdicts (``streamer_bench.stats``): its first-token, ready and
+weights seconds over streamer's in the same round, the median ratio and its bootstrap 95% interval
 (5 rounds or more).
 """
 
@@ -58,6 +58,7 @@ NEEDS = {"streamer": "streamer_vllm", "runai_streamer": "runai_model_streamer"}
 
 _LOG_FIGURES: dict[str, re.Pattern[str]] = {
     "weights_s": re.compile(r"Loading weights took ([\d.]+) seconds"),
+    "read_wait_s": re.compile(r"Loading weights took .*waiting on reads ([\d.]+) s"),  # the plugin's line
     "init_model_s": re.compile(r"Initializing model took ([\d.]+) seconds"),
     "init_engine_s": re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"),
     "model_loading_s": re.compile(r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds"),
@@ -144,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-model-len", type=positive_int, default=256, help="vLLM max_model_len (default 256)")
     p.add_argument(
+        "--llm-args",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help="more vLLM LLM() arguments, e.g. '{\"tensor_parallel_size\": 2}'",
+    )
+    p.add_argument(
+        "--ready-only",
+        action="store_true",
+        help="time up to engine ready, without generating (for set-ups vLLM cannot generate in)",
+    )
+    p.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         help="vLLM's memory share; default on the CPU: twice the weights plus 2 GiB of RAM, on a GPU vLLM's",
@@ -177,13 +190,16 @@ def weight_files(model: Path) -> list[Path]:
 
 
 def parse_log(text: str) -> dict[str, Any]:
-    """The figures vLLM (and the plugin) print, each from its last occurrence."""
+    """The figures vLLM (and the plugin) print, each from its last occurrence; the weights from the
+    slowest rank's line (each tensor-parallel rank prints one, and the load ends with the last)."""
     found: dict[str, Any] = {}
     for key, pattern in _LOG_FIGURES.items():
         matches = pattern.findall(text)
         if matches:
-            found[key] = float(matches[-1])
+            slowest_rank = key in ("weights_s", "read_wait_s")
+            found[key] = max(map(float, matches)) if slowest_rank else float(matches[-1])
     if "weights_s" in found:
+        found["weights_ranks"] = len(_LOG_FIGURES["weights_s"].findall(text))
         found["weights_from"] = "log"
     else:
         bars = _RUNAI_BAR.findall(text)
@@ -358,6 +374,8 @@ def run_all(
                     "kv_cache_bytes": args.kv_cache_bytes,
                     "model_loader_extra_config": args.streamer_config if fmt == "streamer" else {},
                     "prompt": PROMPT,
+                    "llm_args": args.llm_args,
+                    "generate": not args.ready_only,
                 }
                 result, output, started = start(args.python, request, env, Path(scratch), args.timeout)
                 run.update(parse_log(output))
@@ -368,7 +386,9 @@ def run_all(
                     run.update(
                         valid=True,
                         ready_s=result["ready"] - started,
-                        first_token_s=result["first_token"] - started,
+                        first_token_s=None
+                        if result["first_token"] is None
+                        else result["first_token"] - started,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_cache_bytes=args.kv_cache_bytes,
                     )
@@ -377,7 +397,7 @@ def run_all(
                     else:
                         run.update(text=result["text"])
                     progress(
-                        f"[{n}/{total}] {fmt}: first token {run['first_token_s']:.2f} s "
+                        f"[{n}/{total}] {fmt}: first token {_s(run['first_token_s'])} "
                         f"(ready {run['ready_s']:.2f} s, weights {_s(run.get('weights_s'))})"
                     )
                 runs[fmt].append(run)
@@ -412,6 +432,7 @@ def summarize(fmt: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "median_ready_s": _median(values("ready_s")),
         "median_import_s": _median(values("import_s")),
         "median_weights_s": _median(values("weights_s")),
+        "median_read_wait_s": _median(values("read_wait_s")),
         "weights_from": weights_from,
         "median_init_engine_s": _median(values("init_engine_s")),
         "median_compile_s": _median(values("compile_s")),
@@ -421,7 +442,7 @@ def summarize(fmt: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-PAIRED_FIGURES = {"first_token": "first_token_s", "weights": "weights_s"}
+PAIRED_FIGURES = {"first_token": "first_token_s", "ready": "ready_s", "weights": "weights_s"}
 
 
 def paired(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -451,7 +472,8 @@ def _s(value: float | None) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     ready = "/health 200" if doc["options"]["server"] else "engine ready"
-    header = ["load format", "runs", "first token", "min-max", ready, "weights", "engine init", "vs streamer"]
+    header = ["load format", "runs", "first token", "min-max", ready, "weights", "read wait", "engine init"]
+    header.append("vs streamer")
     rows = [header]
     for r in doc["results"]:
         low, high = r["min_first_token_s"], r["max_first_token_s"]
@@ -465,6 +487,7 @@ def render(doc: dict[str, Any]) -> str:
                 _s(r["median_ready_s"]),
                 _s(r["median_weights_s"])
                 + (" *" if r["weights_from"] and r["weights_from"] != "log" else ""),
+                _s(r["median_read_wait_s"]),
                 _s(r["median_init_engine_s"]),
                 "-" if ratio is None else f"{ratio:.2f}x",
             ]
@@ -481,6 +504,8 @@ def render(doc: dict[str, Any]) -> str:
     notes = [
         "vs streamer: that format's first-token time / streamer's (above 1: slower than streamer)",
         "weights: vLLM's 'Loading weights took' line; engine init: its profile + KV cache + warm-up line",
+        "read wait: of the weights, the seconds vLLM waited on streamer's reads (the plugin's line); "
+        "the rest went to the model's weight loaders",
     ]
     if any(r["weights_from"] and r["weights_from"] != "log" for r in doc["results"]):
         notes.append("*: from the Run:ai progress bar (1 s resolution; that loader logs no time)")
@@ -488,7 +513,7 @@ def render(doc: dict[str, Any]) -> str:
         notes.append("WARNING: the formats generated different first tokens")
     verdicts = [
         f"{r['load_format']} ÷ streamer per round: first token {_verdict(pairs['first_token'])}; "
-        f"weights {_verdict(pairs['weights'])}"
+        f"{ready} {_verdict(pairs['ready'])}; weights {_verdict(pairs['weights'])}"
         for r in doc["results"]
         if (pairs := r["paired_vs_streamer"]) is not None
     ]
@@ -504,9 +529,9 @@ def document(
     runs: dict[str, list[dict[str, Any]]],
 ) -> dict[str, Any]:
     results = [summarize(fmt, fmt_runs) for fmt, fmt_runs in runs.items()]
-    ours = next((r for r in results if r["load_format"] == "streamer" and r["median_first_token_s"]), None)
+    ours = next((r for r in results if r["load_format"] == "streamer" and r["status"] == "ok"), None)
     for r in results:
-        if ours is not None and r["median_first_token_s"]:
+        if ours is not None and r["median_first_token_s"] and ours["median_first_token_s"]:
             r["ratio_vs_streamer"] = r["median_first_token_s"] / ours["median_first_token_s"]
         if ours is not None and r is not ours:
             r["paired_vs_streamer"] = paired(ours["runs"], r["runs"])
@@ -514,7 +539,7 @@ def document(
         json.dumps(run.get("token_ids") or run.get("text"))
         for fmt_runs in runs.values()
         for run in fmt_runs
-        if run["valid"]
+        if run["valid"] and (run.get("token_ids") or run.get("text") is not None)
     }
     return {
         "schema": SCHEMA_ID,
@@ -541,6 +566,8 @@ def document(
             "kv_cache_bytes": args.kv_cache_bytes,
             "server": args.server,
             "streamer_config": args.streamer_config,
+            "llm_args": args.llm_args,
+            "ready_only": args.ready_only,
             "cache": "cold",
         },
         "skipped": skipped,
@@ -557,6 +584,8 @@ def main(argv: Sequence[str]) -> int:
         if args.quiet
         else (lambda message: print(f"[vllm] {message}", file=sys.stderr, flush=True))
     )
+    if args.ready_only and args.server:
+        parser.error("--ready-only times LLM(); the --server run always answers a completion")
     if not args.model.is_dir() or not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: not a directory with a config.json")
     files = weight_files(args.model)

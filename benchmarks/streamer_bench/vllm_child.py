@@ -1,7 +1,8 @@
 """One timed vLLM cold start, run by ``streamer-bench vllm`` with the Python that has vLLM.
 
 ``python -m streamer_bench.vllm_child REQUEST_JSON``: builds ``vllm.LLM`` with the requested load
-format (engine ready), generates one token greedily (first token), times ``reloads`` in-place
+format and ``llm_args`` (engine ready), generates one token greedily (first token; not with
+``"generate": false``, for set-ups vLLM cannot generate in), times ``reloads`` in-place
 reloads of the same weights (vLLM's ``reload_weights``) if asked, and prints
 ``VLLM_RESULT {json}`` with wall-clock times (``time.time()``), so the parent can measure from
 the moment it started this process.
@@ -66,11 +67,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         kwargs["gpu_memory_utilization"] = fraction
     if request.get("kv_cache_bytes") is not None:
         kwargs["kv_cache_memory_bytes"] = request["kv_cache_bytes"]
+    kwargs.update(request.get("llm_args") or {})
     llm = LLM(**kwargs)
     ready = time.time()
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    outputs = llm.generate([request["prompt"]], params, use_tqdm=False)
-    first = time.time()
+    first, token_ids = None, []
+    if request.get("generate", True):
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        outputs = llm.generate([request["prompt"]], params, use_tqdm=False)
+        first, token_ids = time.time(), list(outputs[0].outputs[0].token_ids)
     reload_seconds = []
     for _ in range(request.get("reloads", 0)):  # vLLM's in-place reload of the same weights
         started = time.perf_counter()
@@ -81,7 +85,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "ready": ready,
         "first_token": first,
         "reload_seconds": reload_seconds,
-        "token_ids": list(outputs[0].outputs[0].token_ids),
+        "token_ids": token_ids,
         "gpu_memory_utilization": fraction,
         "kv_cache_bytes": request.get("kv_cache_bytes"),
         "vllm_version": getattr(vllm, "__version__", None),

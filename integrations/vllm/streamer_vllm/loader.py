@@ -308,6 +308,9 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             if sliced
             else ""
         )
+        waits = [float(m["consumer_wait_s"]) for _, m in metrics if "consumer_wait_s" in m]
+        # The rest of the seconds went to the model: its weight loaders' copies between tensors.
+        budget += f", waiting on reads {sum(waits):.2f} s" if waits else ""
         logger.info(
             "%s %.2f seconds (streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
             what,

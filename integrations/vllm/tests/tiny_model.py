@@ -1,6 +1,6 @@
 """A random Llama (or MoE) and a tokenizer built locally (no model hub), for vLLM tests and benchmarks.
 
-``python tiny_model.py DIR [--hidden N --layers N --intermediate N --vocab N --shards-of SIZE]``
+``python tiny_model.py DIR [--hidden N --layers N --intermediate N --vocab N --shard-size SIZE]``
 writes ``config.json``, the safetensors weights (float32) and a tokenizer into ``DIR``;
 ``--moe mixtral|qwen3_moe`` makes the MLPs mixtures of experts, one tensor per expert weight as
 the hub's checkpoints of those families name them; ``--awq`` quantizes the layers' linear weights
@@ -100,9 +100,17 @@ MOE_FAMILIES = {
 }
 
 
-def build_moe(directory: str | Path, family: str, *, experts: int = 8, seed: int = 0, **dense: Any) -> Path:
+def build_moe(
+    directory: str | Path,
+    family: str,
+    *,
+    experts: int = 8,
+    seed: int = 0,
+    shard_bytes: int = 1 << 20,
+    **dense: Any,
+) -> Path:
     """A Llama from ``build`` whose MLPs are replaced by ``experts`` experts (top 2) of ``family``,
-    saved as one safetensors file per 1 MB (several shards, an index)."""
+    saved in safetensors files of about ``shard_bytes`` each (several shards, an index)."""
     import torch
     from safetensors.torch import load_file
 
@@ -134,7 +142,7 @@ def build_moe(directory: str | Path, family: str, *, experts: int = 8, seed: int
         if family == "qwen3_moe":  # Qwen3 normalises queries and keys per head
             tensors[f"{prefix}.self_attn.q_norm.weight"] = torch.ones(hidden // heads)
             tensors[f"{prefix}.self_attn.k_norm.weight"] = torch.ones(hidden // heads)
-    _save_sharded(directory, tensors)
+    _save_sharded(directory, tensors, shard_bytes)
     config.update(architectures=[architecture], model_type=family, num_experts_per_tok=2)
     if family == "mixtral":
         config.update(num_local_experts=experts)
@@ -207,6 +215,15 @@ def _save_sharded(directory: Path, tensors: dict[str, Any], shard_bytes: int = 1
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def _bytes(size: str) -> int:
+    """``500MB``, ``2GB``: the sizes ``--shard-size`` takes (transformers' decimal units)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    number, unit = size[:-2], size[-2:].upper()
+    if unit not in units or not number.isdigit():
+        raise SystemExit(f"--shard-size {size!r}: a whole number of KB, MB or GB, e.g. 500MB")
+    return int(number) * units[unit]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("directory", type=Path)
@@ -222,7 +239,8 @@ def main() -> None:
     sizes = {"hidden": args.hidden, "layers": args.layers, "heads": args.heads, "vocab": args.vocab}
     sizes["intermediate"] = args.intermediate
     if args.moe:
-        build_moe(args.directory, args.moe, **sizes)
+        shards = {"shard_bytes": _bytes(args.shard_size)} if args.shard_size else {}
+        build_moe(args.directory, args.moe, **shards, **sizes)
     elif args.awq:
         build_awq(args.directory, **sizes)
     else:
