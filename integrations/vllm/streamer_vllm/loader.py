@@ -34,12 +34,14 @@ from streamer.api import source_files
 from streamer.backends.sources import SourceLike
 from streamer.observe.progress import ByteProgress
 from streamer_vllm import presharded
+from streamer_vllm.affinity import on_parent_cpus
 from streamer_vllm.checks import check_all_loaded, target_device
 from streamer_vllm.distributed import loading_group, tensor_parallel_size
 from streamer_vllm.experts import NameFilter, local_experts_only
 from streamer_vllm.hub import fetch_from_hub
 from streamer_vllm.load_settings import check_load_config
 from streamer_vllm.options import LoaderOptions, is_remote, parse_options, weights_source
+from streamer_vllm.prefault import parameters_faulted_in
 from streamer_vllm.secondary import StreamedSource, delegated_weights, files_in_use, secondary_sources
 from streamer_vllm.slices import Index, probe_slices
 
@@ -232,26 +234,38 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         device = target_device(model)
         metrics: Metrics = []
         started = time.perf_counter()
-        yield from self.all_weights(model, model_config, device, metrics)
-        self._log("Reading weights for a reload took", time.perf_counter() - started, device, metrics)
+        with self._cpus(device) as cpus:
+            yield from self.all_weights(model, model_config, device, metrics)
+        self._log("Reading weights for a reload took", time.perf_counter() - started, device, metrics, cpus)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         device = target_device(model)
         metrics: Metrics = []
         started = time.perf_counter()
         own = self._rank_files(model_config, model)
-        if own is not None:  # already in the model's layout: copied into its parameters as they are
-            tensors = self.iterate_weights(StreamedSource(own, shared=False), device, metrics)
-            presharded.copy_into(model, tensors, os.path.dirname(own[0]))
-        else:
-            # vLLM models define load_weights(Iterable[(name, tensor)]) -> the loaded parameter names
-            slices = self._tensor_parallel_slices(model, model_config, device)
-            weights = self.all_weights(model, model_config, device, metrics, slices)
-            loaded = cast(Any, model).load_weights(weights)
+        with self._cpus(device) as cpus, self._prefaulted(model, device):
+            if own is not None:  # already in the model's layout: copied into its parameters as they are
+                tensors = self.iterate_weights(StreamedSource(own, shared=False), device, metrics)
+                presharded.copy_into(model, tensors, os.path.dirname(own[0]))
+            else:
+                # vLLM models define load_weights(Iterable[(name, tensor)]) -> the loaded parameter names
+                slices = self._tensor_parallel_slices(model, model_config, device)
+                weights = self.all_weights(model, model_config, device, metrics, slices)
+                loaded = cast(Any, model).load_weights(weights)
         _first_location.setdefault(model, model_config.model)
-        self._log("Loading weights took", time.perf_counter() - started, device, metrics)
+        self._log("Loading weights took", time.perf_counter() - started, device, metrics, cpus)
         if own is None:
             check_all_loaded(model, loaded, quantized=model_config.quantization is not None)
+
+    def _cpus(self, device: str) -> contextlib.AbstractContextManager[set[int] | None]:
+        """A CPU load's threads on the parent's CPUs (``affinity.py``), unless ``parent_cpus`` is off."""
+        return on_parent_cpus() if device == "cpu" and self.options.parent_cpus else contextlib.nullcontext()
+
+    def _prefaulted(self, model: nn.Module, device: str) -> contextlib.AbstractContextManager[None]:
+        """A CPU load's parameters faulted in beside it (``prefault.py``), unless ``prefault`` is off."""
+        if device == "cpu" and self.options.prefault:
+            return parameters_faulted_in(model)
+        return contextlib.nullcontext()
 
     def _rank_files(self, model_config: ModelConfig, model: nn.Module) -> list[str] | None:
         """This rank's files, when the weights are a pre-sharded checkpoint (``presharded``): a
@@ -281,7 +295,7 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         return presharded.rank_files(files)
 
     @staticmethod
-    def _log(what: str, seconds: float, device: str, metrics: Metrics) -> None:
+    def _log(what: str, seconds: float, device: str, metrics: Metrics, cpus: set[int] | None) -> None:
         nbytes = sum(int(m.get("bytes", 0)) for _, m in metrics)
         nread = sum(int(m.get("bytes_read", 0)) for _, m in metrics)  # a group's rank reads its share
         first = metrics[0][1] if metrics else {}
@@ -311,6 +325,7 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
         waits = [float(m["consumer_wait_s"]) for _, m in metrics if "consumer_wait_s" in m]
         # The rest of the seconds went to the model: its weight loaders' copies between tensors.
         budget += f", waiting on reads {sum(waits):.2f} s" if waits else ""
+        budget += f", on the engine's CPUs {_cpu_list(cpus)} (this worker is pinned)" if cpus else ""
         logger.info(
             "%s %.2f seconds (streamer: %d bytes, %d read here, from %s to %s, %.2f GB/s%s)",
             what,
@@ -322,3 +337,14 @@ class StreamerModelLoader(BaseModelLoader):  # type: ignore[misc]  # vLLM ships 
             nbytes / seconds / 1e9 if seconds > 0 else 0.0,
             budget,
         )
+
+
+def _cpu_list(cpus: set[int]) -> str:
+    """``0-3,8``: CPU numbers as ``taskset`` and ``/proc`` write them."""
+    ranges: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if ranges and cpu == ranges[-1][1] + 1:
+            ranges[-1][1] = cpu
+        else:
+            ranges.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in ranges)

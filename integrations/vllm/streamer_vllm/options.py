@@ -8,8 +8,11 @@ tensor-parallel group, default true; without it a rank reads its tensor-parallel
 ``cache_dir`` and ``cache_max_bytes`` (the node cache in front of object storage), ``metrics``
 (record the load in Prometheus, default true: vLLM's ``/metrics`` shows it), ``presharded``
 (remote weights are each rank's own files, as vLLM's ``sharded_state`` writes them; a local
-directory of such files is found without it) and ``ep_weight_filter`` (under expert
-parallelism, read only this rank's experts; default true). What is not given keeps
+directory of such files is found without it), ``ep_weight_filter`` (under expert
+parallelism, read only this rank's experts; default true), ``parent_cpus`` (a CPU load's threads
+on the CPUs of the process that started the worker, not only the worker's pinned OpenMP cores;
+default true) and ``prefault`` (a first CPU load faults the model's parameters in on a thread
+of its own, ahead of vLLM's copies; default true). What is not given keeps
 ``StreamerConfig``'s defaults (its ``STREAMER_*`` environment variables): an unset
 ``memory_limit`` is streamer's auto budget, sized from the checkpoint and the free memory.
 """
@@ -37,6 +40,8 @@ KEYS = (
     "metrics",
     "presharded",
     "ep_weight_filter",
+    "parent_cpus",
+    "prefault",
 )
 METRICS_DIR_ENV = "STREAMER_VLLM_METRICS_DIR"  # where the engine's processes leave their series
 _CACHE_KEYS = {"cache_dir": "dir", "cache_max_bytes": "max_bytes"}
@@ -52,6 +57,8 @@ class LoaderOptions:
     distributed: bool = True  # load through vLLM's TP group when there is one
     presharded: bool = False  # the weights are each rank's own files (found for local directories)
     ep_weight_filter: bool = True  # under expert parallelism, other ranks' experts are not read
+    parent_cpus: bool = True  # a CPU load's threads on the parent process's CPUs (affinity.py)
+    prefault: bool = True  # a first CPU load faults the parameters in beside it (prefault.py)
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
@@ -77,6 +84,7 @@ def parse_options(extra: Mapping[str, Any] | None) -> LoaderOptions:
     if weights is not None and (not isinstance(weights, str) or not weights.strip()):
         raise ConfigError(f"weights must be a path or an s3://, gs:// or az:// URI, got {weights!r}")
     switch_defaults = {"distributed": True, "presharded": False, "ep_weight_filter": True}
+    switch_defaults |= {"parent_cpus": True, "prefault": True}
     switches = {key: extra.get(key, default) for key, default in switch_defaults.items()}
     for key, value in switches.items():
         if not isinstance(value, bool):
