@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import mmap
 import os
 import resource
 import sys
@@ -340,10 +341,16 @@ def test_a_thread_not_pinned_narrower_than_its_parent_is_left_alone() -> None:
     assert os.sched_getaffinity(0) == own
 
 
+def _fresh_bytes(size: int) -> torch.Tensor:
+    """``size`` bytes of memory no page backs yet (an anonymous mapping of its own: ``torch.empty``
+    may hand back memory the allocator already touched)."""
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+
+
 class _Weights(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.big = nn.Parameter(torch.empty(16 << 20, dtype=torch.uint8), requires_grad=False)  # 16 MiB
+        self.big = nn.Parameter(_fresh_bytes(16 << 20), requires_grad=False)  # 16 MiB
         self.small = nn.Parameter(torch.arange(10, dtype=torch.float32), requires_grad=False)
         self.tied = self.big  # one storage, twice in the model
         self.register_buffer("scale", torch.ones(3))
