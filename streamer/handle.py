@@ -146,8 +146,7 @@ class Streamer:
         try:
             # The storage session (for S3 a client: a thread, a loop, sockets) serves every run of
             # this handle; closed by close(), or when the handle is collected without it.
-            reads = self.config.for_fresh_cpu_buffers() if self.device.type == "cpu" else self.config
-            self._storage = open_storage(source, reads)
+            self._storage = open_storage(source, self.config)
             weakref.finalize(self, self._storage.close)
             try:
                 # Maybe provisional (a cache's note of the source): a full pass reads from it at

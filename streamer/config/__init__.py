@@ -323,9 +323,9 @@ class StreamerConfig:
         readers run ahead without bound; an int is a cap in bytes. ``load()`` keeps every
         tensor, so it ignores the limit on the CPU.
     io_mode: ``auto`` reads a file buffered when the page cache holds most of the bytes this
-        read needs of it, else with O_DIRECT; but a CPU handle whose fresh buffers go through the
-        page fill (``fills_pages``) reads buffered, cold too, so each page is created holding its
-        bytes (``for_fresh_cpu_buffers``). ``buffered`` or ``direct`` force one strategy.
+        read needs of it, else with O_DIRECT: cold, a read through the page cache costs a copy
+        and a page-cache page per 4 KiB more (a cold 1 GiB load: 0.6x the CPU seconds with
+        O_DIRECT, as fast or faster; README). ``buffered`` or ``direct`` force one strategy.
     hugepages: back CPU destination buffers and the GPU staging ring of 4 MiB or more with
         transparent huge pages (``STREAMER_HUGEPAGES``, 1 or 0). On by default wherever the
         kernel has THP (``enabled`` not ``never``): ~600 page faults per GiB instead of ~262,000.
@@ -413,15 +413,6 @@ class StreamerConfig:
         """Whether fresh CPU buffers are filled through the page fill: ``page_fill``, else where they
         take 4 KiB pages (a huge page's one fault per 2 MiB costs less than filling 512 pages)."""
         return self.page_fill if self.page_fill is not None else not self.hugepages
-
-    def for_fresh_cpu_buffers(self) -> StreamerConfig:
-        """This config for reads into fresh CPU buffers (a CPU handle's): where they go through the
-        page fill, ``auto`` reads buffered even when cold, and the page fill creates each page
-        holding its bytes; O_DIRECT would fault every fresh 4 KiB page in first (a cold 1 GiB
-        load on a 2-core VM with free page reporting: 1.11-1.18x faster, more CPU; README)."""
-        if self.io_mode != "auto" or not self.fills_pages():
-            return self
-        return dataclasses.replace(self, io_mode="buffered")
 
     def for_staged(self) -> StreamerConfig:
         """This config for a staged (GPU) run: an unset ``concurrency`` becomes ``STAGED_READERS``."""
