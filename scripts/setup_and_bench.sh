@@ -4,7 +4,7 @@
 # to streamer-bench, e.g. `--synthetic 4GiB --repeat 5 --json result.json --plot result.png`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --bench
 # shellcheck disable=SC1091
 . "${STREAMER_VENV:-$PWD/.venv}/bin/activate"
 cd /  # run the installed package, not the checkout
