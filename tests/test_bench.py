@@ -522,7 +522,7 @@ def test_a_ceiling_sample_whose_preparation_fails_is_an_error_not_a_crash(tmp_pa
     (found,) = ceilings.storage_ceilings(
         made.files, "warm", flaky_prepare, modes=("buffered",), use_fio=False
     )
-    assert [s.get("error") for s in found.samples] == [None, "files could not be fully cached", None, None]
+    assert [s.get("error") for s in found.samples] == [None, "files could not be fully cached", None]
     assert found.gbps is not None and found.gbps > 0
 
 
@@ -548,7 +548,7 @@ def test_read_ceiling_is_the_best_median_not_the_best_run(
 ) -> None:
     """One lucky run must not set the ceiling: each reader count's median counts."""
     made = synthetic.generate(tmp_path, 8 * MiB, 2)
-    seconds = iter([1.0, 2.0, 1.0, 1.0, 0.1, 2.0, 1.0, 1.0, 1.0, 2.0, 1.0, 1.0])  # rounds x (1, 2, 4, 8)
+    seconds = iter([1.0, 2.0, 2.0, 0.1, 2.0, 2.0, 1.0, 2.0, 2.0])  # rounds x (2, 4, 8)
 
     def fake_rate(waves: list[list[tuple[Path, int, int]]], direct: bool) -> tuple[int, float]:
         return 1_000_000_000, next(seconds)
@@ -559,9 +559,9 @@ def test_read_ceiling_is_the_best_median_not_the_best_run(
         made.files, "warm", lambda: rounds.append("prepared"), modes=("buffered",), use_fio=False, repeat=3
     )
     assert [s["jobs"] for s in found.samples] == list(ceilings.JOB_COUNTS) * 3  # rounds interleave counts
-    assert len(rounds) == 12
-    assert found.gbps == pytest.approx(1.0)  # 1 job: 1, 10, 1 GB/s -> median 1; never the lucky 10
-    assert found.detail.startswith("1 job(s), 1 MiB reads, median of 3 (min-max 1.00-10.00)")
+    assert len(rounds) == 9
+    assert found.gbps == pytest.approx(1.0)  # 2 jobs: 1, 10, 1 GB/s -> median 1; never the lucky 10
+    assert found.detail.startswith("2 job(s), 1 MiB reads, median of 3 (min-max 1.00-10.00)")
 
 
 def _timed_child(seconds: dict[str, Any]) -> Any:

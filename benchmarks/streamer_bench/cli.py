@@ -32,6 +32,7 @@ from streamer_bench.files import CheckpointFiles, SourceProblem, SourceUnreachab
 from streamer_bench.loaders import (
     ALL_LOADERS,
     BASELINE,
+    INTO_SETTING,
     LOADERS,
     Setting,
     settings_for,
@@ -229,7 +230,11 @@ def run_sections(
     in progress is appended with the runs it finished before the exception goes on."""
     for state in args.states:
         found: list[ceilings.Ceiling] = []
-        configs = [runner.Config(setting, files, checkpoint.source) for setting, files in planned]
+        configs = [
+            runner.Config(setting, files, checkpoint.source)
+            for setting, files in planned
+            if setting != INTO_SETTING or state == "cold" or args.into_touched_warm
+        ]
         try:
             if args.ceilings and state != "remote":
 
