@@ -316,7 +316,8 @@ def test_auto_mode_reads_uncached_files_direct(tmp_path: Path) -> None:
 
 def test_auto_mode_reads_cold_files_direct_into_page_filled_cpu_buffers(tmp_path: Path) -> None:
     """Cold files are read with O_DIRECT into CPU buffers that the page fill serves warm: a read
-    through the page cache would cost a page-cache page and a copy more for every 4 KiB."""
+    through the page cache would cost a page-cache page and a copy more for every 4 KiB. Their
+    fresh buffers are faulted in by another thread, ahead of the reads; the page fill's never are."""
     tensors = {f"w{i}": random_tensor((256 * KiB,), torch.uint8) for i in range(4)}
     written = write_checkpoint(tmp_path, tensors, shards=2)
     if not takes_direct_io(tmp_path):
@@ -327,7 +328,15 @@ def test_auto_mode_reads_cold_files_direct_into_page_filled_cpu_buffers(tmp_path
     filled = config(io_mode="auto", block_size=64 * KiB, page_fill=True)
     with streamer.open(written.index, config=filled) as s:
         assert_same_dict(dict(iter(s)), tensors)
-        assert s.metrics["direct_files"] == 2 and s.metrics["buffered_files"] == 0, s.metrics
+        metrics = s.metrics
+    assert metrics["direct_files"] == 2 and metrics["buffered_files"] == 0, metrics
+    assert metrics["prefault_bytes"] >= sum(t.numel() for t in tensors.values()), metrics  # faulted in ahead
+    for shard in written.shards:
+        shard.read_bytes()  # cached now: read buffered, through the page fill
+    with streamer.open(written.index, config=filled) as s:
+        assert_same_dict(dict(iter(s)), tensors)
+        metrics = s.metrics
+    assert metrics["buffered_files"] == 2 and metrics["prefault_bytes"] == 0, metrics
 
 
 def test_auto_mode_decides_from_the_bytes_a_read_needs(tmp_path: Path) -> None:

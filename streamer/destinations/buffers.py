@@ -138,9 +138,11 @@ class Prefaulter:
 
     Worth it where one thread receives every byte (the S3 event loop): first touch of fresh
     memory (~260k page faults per GiB, about 40% of a 4 GiB S3 load on our VMs) then no longer
-    runs on that thread. Local reads fault in parallel on the engine's readers and gain nothing.
+    runs on that thread; and for the engine's O_DIRECT reads, whose readers would otherwise fault
+    each block's pages in before its read (a cold 1 GiB load: 1.04x [1.00, 1.11] faster, README).
     Populating never writes, so it is safe beside the receiver; a kernel that cannot do it
-    (before Linux 5.14) turns it off after the first try.
+    (before Linux 5.14) turns it off after the first try. Never for buffers the page fill places
+    pages into: those pages must not exist yet.
     """
 
     CHUNK = 64 << 20  # small enough that close() never waits long for the one in progress

@@ -62,8 +62,11 @@ class CpuSink(Tally):
         self._budget = MemoryBudget(budget.limit)
         self._pool = BufferPool(self._budget, hugepages=config.hugepages)
         # One thread (e.g. the S3 event loop) receives every byte: fault fresh buffers in
-        # elsewhere, ahead of the bytes (see Prefaulter).
+        # elsewhere, ahead of the bytes (see Prefaulter). The engine's O_DIRECT files get one too,
+        # once the reader says which files those are (open_page_fill).
         self._prefaulter = Prefaulter() if delivery.one_receiver and selection.files else None
+        self._engine_reads = delivery.engine_reads
+        self._prefaulted_files: Sequence[bool] = [self._prefaulter is not None] * len(selection.files)
         self._fills_pages = config.fills_pages()
         self._fill_extents: list[tuple[int, int] | None] = [None] * len(self._segments)
         self._page_fill: native.PageFill | None = None
@@ -90,6 +93,11 @@ class CpuSink(Tally):
         return self._units
 
     def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+        if self._engine_reads and not all(fillable):
+            # The engine's O_DIRECT reads fault their fresh pages in before each read, on the reader
+            # that then waits on the device: another thread faults them in ahead instead.
+            self._prefaulted_files = [not f for f in fillable]
+            self._prefaulter = self._prefaulter or Prefaulter()
         if not self._fills_pages or not any(fillable):
             return None
         self._fill_extents = [
@@ -211,7 +219,7 @@ class CpuSink(Tally):
             self._budget.release(charge)
             raise
         self.metrics.add_alloc(time.perf_counter() - allocated)
-        if self._prefaulter is not None:
+        if self._prefaulter is not None and self._prefaulted_files[segment.file]:
             extents = segment.read_extents()
             if len(extents) == 1:
                 self._prefaulter.submit(buffer[1], capacity)
