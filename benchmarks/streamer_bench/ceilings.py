@@ -1,6 +1,6 @@
 """What the machine allows, measured in the same run: the figures a loader is divided by.
 
-- sequential reads of the checkpoint's own files, buffered and O_DIRECT, 1..8 parallel
+- sequential reads of the checkpoint's own files, buffered and O_DIRECT, 2..8 parallel
   readers, the best median of ``--repeat`` runs (``fio`` when it is on PATH, else a threaded
   ``pread`` reader in Python);
 - ``memcpy`` into memory that is already touched (numpy, one thread; torch, all threads);
@@ -174,7 +174,7 @@ def storage_ceilings(
     repeat: int = 1,
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[Ceiling]:
-    """Sequential read rate per mode: the best, over 1..8 readers, of the median of ``repeat``
+    """Sequential read rate per mode: the best, over 2..8 readers, of the median of ``repeat``
     runs (rounds interleave the reader counts); ``prepare`` resets the cache state, and a sample
     it fails (a ``RuntimeError``, such as ``CacheStateError``) is recorded as that sample's error.
 

@@ -374,7 +374,7 @@ def render(document: dict[str, Any]) -> str:
                 "store ceiling (the store's own parallel reads through the same endpoint: boto3's "
                 "ranged GETs for S3, the SDK's for GCS and Azure; its best setting)"
                 if sec["cache"] == "remote"
-                else "storage ceilings (sequential read of the same files, best median of 1..8 jobs)"
+                else "storage ceilings (sequential read of the same files, best median of 2..8 jobs)"
             )
             out += ["", f"-- {sec['cache']}: {what}", *(_ceiling_line(c) for c in sec["ceilings"])]
     if document["memory_ceilings"]:

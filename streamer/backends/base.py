@@ -27,9 +27,8 @@ import bisect
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from streamer.backends.sources import ResolvedSource, SourceLike
 from streamer.config import StreamerConfig
@@ -55,8 +54,7 @@ class StoredFile(Protocol):
     def size(self) -> int: ...
 
 
-@dataclass(frozen=True)
-class FileIdentity:
+class FileIdentity(NamedTuple):
     """What tells one file's bytes from another's of the same size and header (group loads check
     that every rank opened the same checkpoint, ``streamer.group.identity``).
 
@@ -70,16 +68,14 @@ class FileIdentity:
     content: str = ""
 
 
-@dataclass(frozen=True)
-class Front:
+class Front(NamedTuple):
     """The first ``min(size, header_bytes)`` bytes of a file (fewer only if it was cut while read)."""
 
     file: StoredFile
     data: bytes
 
 
-@dataclass(frozen=True)
-class Opened:
+class Opened(NamedTuple):
     """A resolved source: its files in checkpoint order, each with its front."""
 
     source: ResolvedSource
@@ -91,8 +87,7 @@ Extent = tuple[int, int]  # bytes [begin, end) of a file
 Named = Sequence[tuple[native.Unit, str]]  # a run's tensors (engine numbering, by file and offset), named
 
 
-@dataclass(frozen=True)
-class ReadCost:
+class ReadCost(NamedTuple):
     """What one more read request costs a storage, as the bytes it moves in that time.
 
     A gap between two wanted ranges shorter than ``request_bytes`` is cheaper read through than

@@ -11,7 +11,7 @@ import os
 import stat
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from streamer.backends.base import (
     LOCAL_CACHED_READ_COST,
@@ -44,8 +44,7 @@ _HASH_READ_BYTES = 8 << 20
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
-@dataclass(frozen=True)
-class LocalFile:
+class LocalFile(NamedTuple):
     path: str
     size: int
 

@@ -14,9 +14,9 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
+from typing import NamedTuple
 
 import torch
 
@@ -28,8 +28,7 @@ AVAILABLE_SHARE = 2  # the auto budget takes at most 1/2 of the memory available
 _NO_CGROUP_LIMIT = 1 << 60  # cgroup v1 reports "no limit" as a number close to 2**63
 
 
-@dataclass(frozen=True)
-class StreamingBudget:
+class StreamingBudget(NamedTuple):
     """The limit a run works under (None: unbounded) and, for ``metrics``, why it is that."""
 
     limit: int | None

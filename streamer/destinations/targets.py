@@ -7,8 +7,7 @@ uint8 tensor that mirrors the span's bytes; every tensor of a run lies inside on
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -21,8 +20,7 @@ from streamer.plan.segments import Span
 _MIRROR_ALIGNMENT = 8
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """What a staged run reads: each loaded tensor's name and file span (engine file numbering),
     sorted by file and offset, and the regions that group neighbouring spans into one read."""
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from streamer.engine import _ffi
 
@@ -90,8 +89,7 @@ class EngineFailure(Exception):
         self.info = info
 
 
-@dataclass(frozen=True)
-class ErrorInfo:
+class ErrorInfo(NamedTuple):
     code: int
     sys_errno: int
     file: int

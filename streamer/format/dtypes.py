@@ -13,16 +13,15 @@ dtype is missing, so ``import streamer`` works and a header using one fails nami
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
 from streamer.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class DType:
+class DType(NamedTuple):
     """One safetensors dtype: its name in headers, its torch dtype and its element size.
 
     ``per_item`` header elements share one torch element: 2 for ``F4``, whose torch dtype packs

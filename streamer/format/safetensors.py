@@ -26,7 +26,7 @@ import re
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,8 +52,7 @@ _U64 = 2**64  # safetensors reads offsets and dims as u64 and multiplies them wi
 _TORCH_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     """One tensor of a file; ``begin``/``end`` are absolute byte offsets in the file (end exclusive).
 
     ``shape`` is the torch tensor's shape, which is the header's except for packed dtypes (``F4``).

@@ -14,14 +14,13 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _PRIVATE_DIR, _PRIVATE_FILE = 0o700, 0o600
 _SHARED_DIR, _SHARED_FILE = 0o2770, 0o660
 
 
-@dataclass(frozen=True)
-class Access:
+class Access(NamedTuple):
     """Who may use a directory: this user alone (``group`` None) or the members of ``group`` (a gid)."""
 
     group: int | None = None

@@ -17,8 +17,7 @@ import threading
 import time
 import urllib.parse
 import warnings
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from streamer.config import StreamerConfig
@@ -44,8 +43,7 @@ _SUMMED = (
 )
 
 
-@dataclass(frozen=True)
-class LoadEvent:
+class LoadEvent(NamedTuple):
     """What one load did; ``as_dict`` is the JSON form. ``storage_wait_s``: the consumer waited
     for bytes; ``consumer_stall_s``: reads waited for memory the consumer still held."""
 
@@ -76,7 +74,7 @@ class LoadEvent:
     group_received_bytes: int
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self._asdict()
 
     def line(self) -> str:
         """The event for people: one line."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from streamer.backends import open_storage
 from streamer.backends.base import Opened, Storage, StoredFile
@@ -20,8 +21,7 @@ KeySelection = Callable[[str], bool] | Collection[str]
 """Which tensors a handle reads: their names, or a test a name passes."""
 
 
-@dataclass(frozen=True)
-class TensorRef:
+class TensorRef(NamedTuple):
     """A tensor and the index of the file (in ``Checkpoint.headers``) that holds it."""
 
     file: int

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from streamer.engine.blocks import Block, Unit
 
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """A run of consecutive units of one file, read into one buffer.
 
     The buffer mirrors file bytes ``[buffer_begin, buffer_end)``; both are aligned so
@@ -171,8 +169,7 @@ def _pieces(
     return pieces
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """A byte range ``[begin, end)`` of one file (a run of tensors to read, or a copy destination)."""
 
     file: int
@@ -180,8 +177,7 @@ class Span:
     end: int
 
 
-@dataclass(frozen=True)
-class SlotRead:
+class SlotRead(NamedTuple):
     """Up to one ring slot of a file: read into a slot, then copied out of it as a whole.
 
     The slot holds file bytes ``[read_begin, read_end)`` (aligned for O_DIRECT); only

@@ -7,8 +7,7 @@ the files the run touches; and tensors by their position in ``refs``.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from streamer.engine.blocks import Unit
 from streamer.observe.metrics import LoadMetrics
@@ -17,8 +16,7 @@ from streamer.plan.checkpoint import TensorRef
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Selection:
+class Selection(NamedTuple):
     refs: tuple[TensorRef, ...]  # sorted by file, offset, name
     files: tuple[int, ...]  # checkpoint file indices; position = engine file index
 

@@ -15,11 +15,11 @@ A short read is the same typed error the engine gives; the file and tensor are n
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import stat
 import time
 from collections.abc import Generator, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -123,8 +123,7 @@ class InlineRun:
         return total
 
 
-@dataclasses.dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """One ``preadv``: ``views`` (parts of the tensors ``refs``) filled from ``position`` of ``fd``."""
 
     fd: int
