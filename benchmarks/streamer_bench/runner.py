@@ -110,7 +110,12 @@ def child_env(extra: dict[str, str], *, own_package: bool = True) -> dict[str, s
 # ``-c`` put it first, and from a checkout's root that is the source tree, with no built engine,
 # not the streamer ``child_env`` chose).
 CWD_OFF_PATH = "import sys; del sys.path[0]; "
-_RUN_CHILD = CWD_OFF_PATH + "from streamer_bench.child import main; raise SystemExit(main(sys.argv))"
+# The child leaves with os._exit once its result is printed: tearing down an interpreter that
+# imported torch took ~0.6 s a run here, and the next run's settle cannot start before it ends.
+_RUN_CHILD = CWD_OFF_PATH + (
+    "import os; from streamer_bench.child import main; code = main(sys.argv); "
+    "sys.stdout.flush(); sys.stderr.flush(); os._exit(code)"
+)
 
 
 def call_child(
