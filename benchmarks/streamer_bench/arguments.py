@@ -300,7 +300,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.shards = args.shards or 2
     args.min_rounds = min(args.min_rounds, args.repeat)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
-        parser.error("--plot needs matplotlib: pip install matplotlib")
+        parser.error("--plot needs matplotlib: pip install matplotlib (or the bench's [plot] extra)")
+    if args.prometheus_textfile is not None and importlib.util.find_spec("prometheus_client") is None:
+        parser.error("--prometheus-textfile needs prometheus-client: pip install prometheus-client")
     args.remote = remote
     args.scheme = scheme
     if remote:
