@@ -633,9 +633,7 @@ def test_an_object_gone_since_its_note_is_an_error_not_a_hit(
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign"])
-def test_a_damaged_note_is_no_note(
-    s3_server: str, model: Written, tmp_path: Path, damage: str
-) -> None:
+def test_a_damaged_note_is_no_note(s3_server: str, model: Written, tmp_path: Path, damage: str) -> None:
     config = cfg(s3_server, tmp_path)
     load(prefix(s3_server), config)
     (note,) = note_files(tmp_path)

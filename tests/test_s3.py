@@ -161,10 +161,27 @@ def test_fresh_buffers_are_faulted_in_ahead_of_s3_bytes_only(s3_server: str, sin
     expected = reference_load(single.shards)
     with streamer.open(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(s3_server)) as handle:
         assert_same_dict(dict(iter(handle)), expected)
-        assert handle.metrics["prefault_bytes"] >= single.nbytes
+        assert handle.metrics["prefault_bytes"] >= handle.metrics["bytes_read"]
     with streamer.open(single.shards[0], config=cfg(s3_server)) as handle:
         assert_same_dict(dict(iter(handle)), expected)
         assert handle.metrics["prefault_bytes"] == 0
+
+
+def test_prefault_stops_where_the_reads_end(tmp_path: Path, s3: Any, s3_server: str) -> None:
+    """Under a memory limit, buffers take the largest segment's capacity (an idle one then fits
+    any next segment): only the bytes that reads fill are faulted in ahead, not the capacity."""
+    g = torch.Generator().manual_seed(7)
+    sizes = {"a": 300 * KiB, "b": 40 * KiB, "c": 300 * KiB}  # three segments; b's buffer is mostly tail
+    written = write_checkpoint(tmp_path, {n: random_tensor((k,), torch.uint8, g) for n, k in sizes.items()})
+    upload(s3, written, "tails")
+    config = cfg(s3_server, memory_limit=1280 * KiB)  # segments of up to 312 KiB: a, b, c alone
+    with streamer.open(f"s3://{BUCKET}/tails/", config=config) as handle:
+        held = dict(iter(handle))  # every buffer stays referenced: none is reused
+        metrics = handle.metrics
+    assert_same_dict(held, reference_load(written.shards))
+    assert metrics["buffers_reused"] == 0
+    read, page_ends = metrics["bytes_read"], metrics["blocks"] * 4096  # reads end on a page
+    assert read <= metrics["prefault_bytes"] < read + page_ends
 
 
 def test_open_streams_under_a_memory_limit(s3_server: str, every_dtype: Written) -> None:

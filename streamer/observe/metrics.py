@@ -29,7 +29,7 @@ class LoadMetrics:
     copy_wait_seconds: float = 0.0  # staged loads: consumer blocked on copies with no read in flight
     ring_stalls: int = 0  # staged loads: times a read could not start because every slot was busy
     copies: int = 0  # staged loads: copies out of the ring
-    prefault_bytes: int = 0  # CPU loads from S3: fresh buffer bytes faulted in ahead of the data
+    prefault_bytes: int = 0  # S3 and O_DIRECT reads into CPU buffers: bytes faulted in ahead of the data
     page_fill: str = ""  # CPU loads of local files: "on", why it is off, or "" where not tried
     engine: dict[str, float] = field(default_factory=dict)
     storage: dict[str, int] = field(default_factory=dict)  # the storage's own counters (Feed.stats)
