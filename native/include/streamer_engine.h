@@ -247,9 +247,9 @@ void se_free(void *ptr, size_t size, int32_t hugepage);
 
 /*
  * Faults [ptr, ptr + size) of memory from se_alloc() in, writable, without writing to it
- * (MADV_POPULATE_WRITE): safe while other threads write into the same range, whose bytes it never
- * changes. Returns SE_OK, or SE_ERR_INVALID with *sys_errno set when the kernel cannot (EINVAL:
- * older than Linux 5.14) or the range is not mapped.
+ * (MADV_POPULATE_WRITE, 2 MiB at a time; ptr need not be page-aligned): safe while other threads
+ * write into the same range, whose bytes it never changes. Returns SE_OK, or SE_ERR_INVALID with
+ * *sys_errno set when the kernel cannot (EINVAL: older than Linux 5.14) or the range is not mapped.
  */
 int32_t se_populate(void *ptr, size_t size, int32_t *sys_errno);
 

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #define HUGE_PAGE ((size_t)2 << 20)
 
@@ -50,18 +51,32 @@ void se_free(void *ptr, size_t size, int32_t hugepage) {
     (void)munmap(ptr, hugepage ? round_up(size, HUGE_PAGE) : size);
 }
 
+/* One madvise holds the process's mmap lock over its whole range (~30 ms for 64 MiB here); a thread
+ * that needs the lock meanwhile (an mmap, a page fault that falls back to it) waits that long. An S3
+ * load's receiving thread stalled so, and loaded 1 GiB ~10% slower than with 2 MiB steps. */
+#define POPULATE_STEP ((uintptr_t)2 << 20)
+
 int32_t se_populate(void *ptr, size_t size, int32_t *sys_errno) {
     *sys_errno = 0;
     if (ptr == NULL || size == 0) {
         return SE_OK;
     }
 #ifdef MADV_POPULATE_WRITE
-    if (madvise(ptr, size, MADV_POPULATE_WRITE) == 0) {
-        return SE_OK;
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t end = (uintptr_t)ptr + size;
+    /* madvise wants a page-aligned start: the page holding ptr is part of the same mapping. */
+    uintptr_t at = (uintptr_t)ptr & ~((uintptr_t)(page > 0 ? page : 4096) - 1);
+    while (at < end) {
+        uintptr_t step = end - at < POPULATE_STEP ? end - at : POPULATE_STEP;
+        if (madvise((void *)at, step, MADV_POPULATE_WRITE) != 0) {
+            *sys_errno = errno;
+            return SE_ERR_INVALID;
+        }
+        at += step;
     }
-    *sys_errno = errno;
+    return SE_OK;
 #else
     *sys_errno = EINVAL;
-#endif
     return SE_ERR_INVALID;
+#endif
 }
