@@ -185,6 +185,18 @@ def test_runai_reads_s3_when_installed(run: dict[str, Any], checkpoint: syntheti
     assert result["status"] == "ok" and result["bytes"] == checkpoint.tensor_bytes
 
 
+def test_a_baseline_install_is_timed_from_s3_beside_streamer(
+    s3_server: str, checkpoint: synthetic.Synthetic, tmp_path: Path
+) -> None:
+    """``--baseline`` on an S3 source (``s3_load.py --baseline``): its runs are streamer's, so it
+    is no store reference; the remote ceilings once failed on it with a KeyError."""
+    args = ("--source", f"s3://{BUCKET}/model/", "--loaders", "streamer", "--repeat", "1")
+    report = bench_report(tmp_path, *args, "--baseline", sys.executable, env=aws_variables(s3_server))
+    results = {r["loader"]: r for r in report["json"]["sections"][0]["results"]}
+    assert results["baseline"]["status"] == results["streamer"]["status"] == "ok"
+    assert results["baseline"]["bytes"] == checkpoint.tensor_bytes
+
+
 def test_local_only_loaders_are_skipped(run: dict[str, Any]) -> None:
     skipped = {s["loader"]: s for s in run["json"]["skipped"]}
     for loader in ("fastsafetensors", "tensorizer"):

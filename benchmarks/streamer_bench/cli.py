@@ -279,7 +279,7 @@ def run_sections(
             if args.ceilings and state == "remote":
                 found = ceilings.remote_ceilings(
                     checkpoint.scheme or "s3",
-                    [c for c in configs if LOADERS[c.setting.loader].reference_of == checkpoint.scheme],
+                    [c for c in configs if LOADERS[c.setting.child_loader].reference_of == checkpoint.scheme],
                 )
         except runner.Interrupted as stop:
             stop.during = f"{state} runs"
