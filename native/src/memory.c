@@ -51,9 +51,9 @@ void se_free(void *ptr, size_t size, int32_t hugepage) {
     (void)munmap(ptr, hugepage ? round_up(size, HUGE_PAGE) : size);
 }
 
-/* One madvise holds the process's mmap lock over its whole range (~30 ms for 64 MiB here); a thread
- * that needs the lock meanwhile (an mmap, a page fault that falls back to it) waits that long. An S3
- * load's receiving thread stalled so, and loaded 1 GiB ~10% slower than with 2 MiB steps. */
+/* One madvise holds the process's mmap lock over its whole range (~30 ms for 64 MiB here): 2 MiB
+ * steps bound how long a thread that needs the lock meanwhile (an mmap, a page fault that falls back
+ * to it) can wait. */
 #define POPULATE_STEP ((uintptr_t)2 << 20)
 
 int32_t se_populate(void *ptr, size_t size, int32_t *sys_errno) {
