@@ -146,8 +146,9 @@ class Prefaulter:
     """
 
     # One task per 2 MiB, not per 64: with 64 MiB tasks the S3 receiving thread, though runnable,
-    # got under 20% of a core while they ran, and 1 GiB loaded in 1.48 s instead of 1.16 s
-    # (medians of 4, shaped endpoint). Small tasks also keep close() from waiting long.
+    # got under 20% of a core while they ran; 2 MiB tasks loaded 1 GiB from the shaped endpoint
+    # 1.20x [1.19, 1.31] faster, paired over 8 rounds (benchmarks/README.md). Small tasks also keep
+    # close() from waiting long.
     CHUNK = 2 << 20
 
     def __init__(self) -> None:
