@@ -22,9 +22,9 @@ import pytest
 from conftest import BENCH_ENV, bench, bench_report
 
 from streamer.host.machine import free_page_reporting
-from streamer_bench import arguments, ceilings, pagecache, report, runner, synthetic
+from streamer_bench import arguments, ceilings, cli, pagecache, report, runner, synthetic
 from streamer_bench.files import resolve
-from streamer_bench.loaders import Setting
+from streamer_bench.loaders import INTO_SETTING, Setting
 
 MiB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -289,6 +289,8 @@ def test_settle_defaults_to_the_vm_s_free_page_reporting(run: dict[str, Any]) ->
         ["--repeat", "many"],
         ["--settle", "-1"],
         ["--settle", "soon"],
+        ["--time-budget", "0"],
+        ["--time-budget", "soon"],
         ["--synthetic", "lots"],
         ["--loaders", "streamer,nosuchloader"],
         ["--device", "tpu"],
@@ -609,6 +611,81 @@ def test_a_cache_state_ends_once_every_verdict_is_decided(
     )  # fmt: skip
     assert [len(c.runs) for c in configs] == [runs, runs]
     assert stopped.startswith(why)
+
+
+def _streamer_and_safetensors(tmp_path: Path) -> list[runner.Config]:
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    files, index = [str(f) for f in made.files], str(made.index)
+    return [runner.Config(Setting(loader), files, index) for loader in ("streamer", "safetensors")]
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_time_budget_ends_a_state_when_the_next_round_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each run takes 2 s: 4 s a round. With 30 s and 2 later runs plus 2 s kept for later, a
+    round starting at 20 s (4 + 4 + 2 more) still fits, one starting at 24 s does not: 6 rounds,
+    never separable, so the verdict stays undecided and the reason says the budget ended it."""
+    configs = _streamer_and_safetensors(tmp_path)
+    clock = _FakeClock()
+    child = _timed_child({"streamer": lambda r: 1.0, "safetensors": lambda r: 1.0 + (-1) ** r / 10})
+
+    def two_seconds(*args: Any) -> dict[str, Any]:
+        clock.now += 2.0
+        return child(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(runner, "_prepare", lambda config, state: (0, None))
+    monkeypatch.setattr(runner, "call_child", two_seconds)
+    stopped = runner.run_section(
+        configs, "warm", 10, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None,
+        min_rounds=5, decided=lambda: report.decided("warm", configs),
+        budget=runner.TimeBudget(30.0, later_runs=2, later_seconds=2.0, clock=clock),
+    )  # fmt: skip
+    assert [len(c.runs) for c in configs] == [6, 6]
+    assert stopped == "6 rounds: another would not end within --time-budget; some verdicts undecided"
+
+
+@pytest.mark.parametrize(("peer_seconds", "runs"), [(lambda r: 1.0 + (-1) ** r / 10, 5), (lambda r: 2.0, 5)])
+def test_a_budget_too_small_still_runs_the_minimum_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peer_seconds: Any, runs: int
+) -> None:
+    configs = _streamer_and_safetensors(tmp_path)
+    clock = _FakeClock()
+    child = _timed_child({"streamer": lambda r: 1.0, "safetensors": peer_seconds})
+
+    def one_second(*args: Any) -> dict[str, Any]:
+        clock.now += 1.0
+        return child(*args)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(runner, "_prepare", lambda config, state: (0, None))
+    monkeypatch.setattr(runner, "call_child", one_second)
+    runner.run_section(
+        configs, "warm", 10, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None,
+        min_rounds=5, decided=lambda: report.decided("warm", configs),
+        budget=runner.TimeBudget(1.0, clock=clock),
+    )  # fmt: skip
+    assert [len(c.runs) for c in configs] == [runs, runs]
+
+
+def test_the_budget_of_a_state_keeps_the_later_states_minimum_rounds() -> None:
+    """Cold (5 settings with into=touched) keeps warm's 5 rounds of 4 settings and two ceilings."""
+    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "300"])
+    sync_buffered = Setting("runai", (("strategy", "sync_buffered"),))
+    settings = [Setting("streamer"), INTO_SETTING, Setting("safetensors"), Setting("runai"), sync_buffered]
+    planned = [(setting, ["a"]) for setting in settings]
+    cold = cli.time_budget(args, 100.0, planned, ["warm"])
+    assert cold is not None and cold.end == 400.0 and cold.later_runs == 5 * 4
+    assert cold.later_seconds == 2 * cli.CEILING_RESERVE_SECONDS  # warm's storage ceilings, then memory's
+    warm = cli.time_budget(args, 100.0, planned, [])
+    assert warm is not None and warm.later_runs == 0 and warm.later_seconds == cli.CEILING_RESERVE_SECONDS
+    assert cli.time_budget(arguments.parse_args(["--time-budget", "none"]), 0.0, planned, ["warm"]) is None
 
 
 def test_cold_loads_are_divided_by_the_ceiling_of_their_own_round(

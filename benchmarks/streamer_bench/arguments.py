@@ -77,6 +77,18 @@ def _sweep(text: str) -> tuple[str, list[int]]:
     return key.strip(), list(dict.fromkeys(numbers))
 
 
+def _budget(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (or 'none')") from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a budget is more than 0 seconds")
+    return seconds
+
+
 def _device(text: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"expected cpu or cuda:N, got {text!r}")
@@ -155,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=stats.MIN_ROUNDS,
         help=f"rounds a cache state runs before it may end early (default {stats.MIN_ROUNDS}, the fewest "
         "a paired verdict needs); set it to --repeat for a fixed number of rounds",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=_budget,
+        metavar="S",
+        help="seconds the bench should take (from its start): past --min-rounds, a cache state starts "
+        "another round only if it and the later states' minimum rounds fit; a verdict left undecided "
+        "says so. 'none' (the default): no budget",
     )
     p.add_argument(
         "--settle",

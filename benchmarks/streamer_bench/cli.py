@@ -219,6 +219,31 @@ def plan(
     return runs, skipped
 
 
+def state_runs(
+    args: argparse.Namespace, planned: list[tuple[Setting, list[str]]], state: str
+) -> list[tuple[Setting, list[str]]]:
+    """The planned runs a cache state times: 'into=touched' only cold, unless asked for warm too."""
+    wanted = state == "cold" or args.into_touched_warm
+    return [(setting, files) for setting, files in planned if setting != INTO_SETTING or wanted]
+
+
+# What --time-budget keeps for each later state's storage ceilings and for the memory ceilings at
+# the end: each took 4-7 s with a 1 GiB checkpoint on the 2-core VM.
+CEILING_RESERVE_SECONDS = 10.0
+
+
+def time_budget(
+    args: argparse.Namespace, start: float, planned: list[tuple[Setting, list[str]]], later: list[str]
+) -> runner.TimeBudget | None:
+    """The budget a state runs under: --time-budget from the bench's ``start``, less the minimum
+    rounds of the ``later`` states and the ceilings still to measure."""
+    if args.time_budget is None:
+        return None
+    later_runs = sum(args.min_rounds * len(state_runs(args, planned, state)) for state in later)
+    reserve = CEILING_RESERVE_SECONDS * (len(later) + 1) if args.ceilings else 0.0
+    return runner.TimeBudget(start + args.time_budget, later_runs, reserve)
+
+
 def run_sections(
     args: argparse.Namespace,
     checkpoint: CheckpointFiles,
@@ -228,13 +253,10 @@ def run_sections(
 ) -> None:
     """Appends one section per cache state to ``sections``; on ``runner.Interrupted`` the state
     in progress is appended with the runs it finished before the exception goes on."""
-    for state in args.states:
+    for i, state in enumerate(args.states):
         found: list[ceilings.Ceiling] = []
-        configs = [
-            runner.Config(setting, files, checkpoint.source)
-            for setting, files in planned
-            if setting != INTO_SETTING or state == "cold" or args.into_touched_warm
-        ]
+        runs = state_runs(args, planned, state)
+        configs = [runner.Config(setting, files, checkpoint.source) for setting, files in runs]
         try:
             if args.ceilings and state != "remote":
 
@@ -275,6 +297,7 @@ def run_sections(
                 decided=functools.partial(report.decided, state, configs),
                 prune_after=args.prune_after,
                 each_round=each_round,
+                budget=time_budget(args, progress.start, planned, args.states[i + 1 :]),
             )
             if args.ceilings and state == "remote":
                 found = ceilings.remote_ceilings(
@@ -360,6 +383,7 @@ def document(
             "device": args.device,
             "repeat": args.repeat,
             "min_rounds": args.min_rounds,
+            "time_budget_seconds": args.time_budget,
             "ceiling_repeat": args.ceiling_repeat,
             "clock": args.clock,
             "settle_seconds": args.settle,

@@ -272,6 +272,23 @@ def round_order(configs: Sequence[T], round_index: int) -> list[T]:
     return order
 
 
+@dataclass(frozen=True)
+class TimeBudget:
+    """When the bench should be done (``clock()`` seconds), and what the cache states after the
+    current one need at least: ``later_runs`` runs (their minimum rounds) and ``later_seconds``
+    (their ceilings). A state past its minimum rounds starts another only if it fits."""
+
+    end: float
+    later_runs: int = 0
+    later_seconds: float = 0.0
+    clock: Callable[[], float] = time.monotonic
+
+    def fits(self, next_round: float, per_run: float) -> bool:
+        """Whether a round of ``next_round`` seconds, then the later states at ``per_run`` seconds
+        a run, end by ``end``."""
+        return self.clock() + next_round + self.later_runs * per_run + self.later_seconds <= self.end
+
+
 def run_section(
     configs: Sequence[Config],
     state: str,
@@ -287,6 +304,7 @@ def run_section(
     decided: Callable[[], bool] | None = None,
     prune_after: int | None = None,
     each_round: Callable[[int], None] | None = None,
+    budget: TimeBudget | None = None,
 ) -> str:
     """Up to ``repeat`` rounds over every config in ``state`` (cold, warm or remote): the first round in
     the given order, each later one shuffled (seeded, so reproducible). A run pays for the memory
@@ -300,13 +318,22 @@ def run_section(
     Adaptive: after ``min_rounds`` rounds (and each round after), the state ends as soon as
     ``decided()`` says every verdict is decided; after ``prune_after`` rounds, the peer settings
     far from their loader's best stop running (``prune``). ``each_round(r)`` runs before round
-    ``r``'s loads (a read ceiling measured again, for ratios paired by round). Returns why the
-    state ended."""
+    ``r``'s loads (a read ceiling measured again, for ratios paired by round). With a ``budget``,
+    a state past ``min_rounds`` also ends when another round, at the mean length of its rounds so
+    far, would not fit. Returns why the state ended."""
     total = repeat * len(configs)
     n = 0
+    started = budget.clock() if budget is not None else 0.0
     for r in range(repeat):
         if decided is not None and min_rounds is not None and min_rounds <= r and decided():
             return f"every verdict decided after {r} rounds (at least {min_rounds}, at most {repeat})"
+        if budget is not None and r >= (min_rounds or 1):
+            spent = budget.clock() - started
+            if not budget.fits(spent / r, spent / max(n, 1)):
+                undecided = decided is not None and not decided()
+                return f"{r} rounds: another would not end within --time-budget" + (
+                    "; some verdicts undecided" if undecided else ""
+                )
         if r == prune_after:
             for config in prune(configs, r):
                 progress(f"[{state}] {config.setting.loader} {config.setting.label}: {config.pruned}")
