@@ -49,6 +49,8 @@ import streamer
 from streamer import S3Config, S3Error, S3SourceError, SourceError, StreamerConfig
 from streamer.backends.http import endpoint as http_endpoint
 from streamer.backends.http.endpoint import Proxy, ProxyError, Target, UnsupportedProxy
+from streamer.backends.http.storage import index_set
+from streamer.backends.s3.uri import S3Uri
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -274,6 +276,62 @@ def test_a_prefix_with_an_index_reads_exactly_its_shards(s3_server: str, s3: Any
     assert written.shards[1].name in message and written.shards[2].name in message
     assert written.shards[0].name not in message.partition("missing")[2]
     assert info.value.key == f"indexed/{written.shards[1].name}" and isinstance(info.value, FileNotFoundError)
+
+
+def _uris(*keys: str) -> list[S3Uri]:
+    return [S3Uri("b", key) for key in keys]
+
+
+@pytest.mark.parametrize(
+    ("listed", "early"),
+    [
+        (["m/model-00001-of-00002.safetensors", "m/model-00002-of-00002.safetensors"], [0, 1]),
+        (["m/consolidated.safetensors", "m/model-00001-of-00001.safetensors"], [1]),  # a stray: never read
+        (["m/model-00001-of-00002.safetensors"], []),  # incomplete: which other shards is unknown
+        (["m/model-00001-of-00002.safetensors", "m/model-00002-of-00003.safetensors"], []),  # two sets
+        (["m/model-00001-of-00002.safetensors", "m/model-2-of-2.safetensors"], []),  # spelt two ways
+        (["m/other-00001-of-00001.safetensors"], []),  # another stem than the index's
+        (["m/model-00000-of-00001.safetensors"], []),
+        (["m/model-00001-of-99999999999999999999.safetensors"], []),  # a listing cannot make it count
+    ],
+)
+def test_only_a_complete_set_of_the_index_s_shard_names_is_read_early(
+    listed: list[str], early: list[int]
+) -> None:
+    uris = _uris(*listed)
+    index = S3Uri("b", "m/model.safetensors.index.json")
+    assert index_set(index, uris) == [uris[i] for i in early]
+
+
+def test_shard_fronts_read_early_that_the_index_does_not_name_are_dropped(
+    proxy: FaultProxy, s3: Any, tmp_path: Path, no_leaks: None
+) -> None:
+    """The listing shows a complete set of three shards but the index names two: the third (denied)
+    is asked for while the index is read, and its refusal is not the load's; the stray
+    ``consolidated.safetensors`` is never asked for."""
+    g = torch.Generator().manual_seed(8)
+    tensors = {f"w{i}": random_tensor((64,), torch.float32, g) for i in range(6)}
+    written = write_checkpoint(tmp_path / "m", tensors, shards=3)
+    index = json.loads(written.index.read_text()) if written.index else {}
+    named = {
+        name: shard for name, shard in index["weight_map"].items() if not shard.startswith("model-00003")
+    }
+    upload(s3, written, "partly")
+    s3.put_object(
+        Bucket=BUCKET, Key="partly/model.safetensors.index.json", Body=json.dumps({"weight_map": named})
+    )
+    s3.put_object(Bucket=BUCKET, Key="partly/consolidated.safetensors", Body=b"not read")
+    asked: list[str] = []
+
+    def third_or_stray(method: str, path: str, headers: Any) -> bool:
+        asked.append(path)
+        return "model-00003" in path or "consolidated" in path
+
+    proxy.inject("403", times=None, match=third_or_stray)
+    loaded = streamer.load(f"s3://{BUCKET}/partly/", config=cfg(proxy.endpoint_url))
+    assert_same_dict(loaded, {name: tensors[name] for name in named})
+    assert any("model-00003" in path for path in asked)  # read early, while the index was
+    assert not any("consolidated" in path for path in asked)
 
 
 @pytest.mark.parametrize(

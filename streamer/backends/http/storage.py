@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import re
 import threading
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, Protocol, TypeVar
 
 from streamer.backends import base
 from streamer.backends.http.client import ObjectStoreClient, RetrySettings
@@ -161,21 +162,13 @@ async def _read_ranges(client: ObjectStoreClient, ranges: list[tuple[StoredObjec
 
 
 async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: bool) -> base.Opened:
-    index_path: str | None = None
-    weight_map: dict[str, str] = {}
+    front = _front_reader(client)
     if single and (uris[0].key == "" or uris[0].key.endswith("/")):
         files, index = await _list_prefix(client, uris[0])
         if index is not None:
-            return await _open(client, [index], single=True)
+            return await _open_index(client, index, front, early=index_set(index, files))
     elif single and uris[0].key.endswith(INDEX_SUFFIX):
-        index = uris[0]
-        index_path = str(index)
-        names = parse_index(await client.get_object(index, MAX_INDEX_BYTES), path=index_path)
-        directory = index.key.rpartition("/")[0]
-        prefix = f"{directory}/" if directory else ""
-        shards = sorted(set(names.values()))
-        files = [type(index)(index.bucket, prefix + shard) for shard in shards]
-        weight_map = {name: str(type(index)(index.bucket, prefix + shard)) for name, shard in names.items()}
+        return await _open_index(client, uris[0], front, early=[])
     else:
         if len({str(u) for u in uris}) != len(uris):
             raise SourceError("the list of checkpoint files names a file twice")
@@ -183,18 +176,6 @@ async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: boo
             if uri.key == "" or uri.key.endswith("/"):
                 raise SourceError("a list of checkpoint files must name objects, not prefixes", path=str(uri))
         files = uris
-    gate = asyncio.Semaphore(_HEADER_REQUESTS)
-
-    async def front(uri: ObjectUri) -> base.Front:
-        async with gate:
-            data, obj = await client.get_start(uri, client.header_bytes)
-            return base.Front(obj, data)
-
-    if index_path is not None:
-        return base.Opened(
-            ResolvedSource(paths=tuple(str(u) for u in files), weight_map=weight_map, index_path=index_path),
-            await _indexed_fronts(files, front, index_path),
-        )
     try:
         fronts = await asyncio.gather(*(front(u) for u in files))
     except ObjectSourceError as error:
@@ -204,14 +185,84 @@ async def _open(client: ObjectStoreClient, uris: list[ObjectUri], *, single: boo
             if found:
                 return await _open(client, [type(files[0])(files[0].bucket, files[0].key + "/")], single=True)
         raise
-    resolved = ResolvedSource(
-        paths=tuple(f.file.path for f in fronts), weight_map=weight_map, index_path=index_path
-    )
+    resolved = ResolvedSource(paths=tuple(f.file.path for f in fronts), weight_map={}, index_path=None)
     return base.Opened(resolved, tuple(fronts))
 
 
+FrontReader = Callable[[ObjectUri], Awaitable[base.Front]]
+
+
+def _front_reader(client: ObjectStoreClient) -> FrontReader:
+    """Reads an object's front (its header, size and version), ``_HEADER_REQUESTS`` at a time."""
+    gate = asyncio.Semaphore(_HEADER_REQUESTS)
+
+    async def front(uri: ObjectUri) -> base.Front:
+        async with gate:
+            data, obj = await client.get_start(uri, client.header_bytes)
+            return base.Front(obj, data)
+
+    return front
+
+
+_SHARD_NAME = re.compile(r"(?P<stem>.+)-(?P<number>\d+)-of-(?P<total>\d+)\.safetensors")
+
+
+def index_set(index: ObjectUri, listed: Sequence[ObjectUri]) -> list[ObjectUri]:
+    """The listed objects that Hugging Face's naming says ``index`` names: for
+    ``<stem>.safetensors.index.json``, a complete set ``<stem>-00001-of-0000N.safetensors`` to
+    ``-0000N-of-0000N``, and nothing else of that stem; else none. Their fronts are read while the
+    index is (a round trip less); the index still decides what is loaded, and a stray object
+    (``consolidated.safetensors``, an older set) is never read."""
+    stem = index.key.rpartition("/")[2].removesuffix(SAFETENSORS_INDEX_SUFFIX)
+    numbered: dict[int, ObjectUri] = {}
+    totals: set[str] = set()
+    for uri in listed:
+        match = _SHARD_NAME.fullmatch(uri.key.rpartition("/")[2])
+        if match is None or match["stem"] != stem:
+            continue
+        numbered[int(match["number"])] = uri
+        totals.add(match["total"])
+    if (
+        len(totals) != 1
+        or len(numbered) != int(totals.pop())
+        or min(numbered) != 1
+        or max(numbered) != len(numbered)
+    ):
+        return []
+    return [numbered[n] for n in sorted(numbered)]
+
+
+async def _open_index(
+    client: ObjectStoreClient, index: ObjectUri, front: FrontReader, *, early: Sequence[ObjectUri]
+) -> base.Opened:
+    """Opens the shards ``index`` names; the fronts of ``early`` (shards it very likely names) are
+    read while the index itself is. What it does not name is cancelled, and its errors dropped."""
+    index_path = str(index)
+    started = {str(uri): asyncio.ensure_future(front(uri)) for uri in early}
+
+    def shard_front(uri: ObjectUri) -> Awaitable[base.Front]:
+        read = started.pop(str(uri), None)
+        return read if read is not None else front(uri)
+
+    try:
+        names = parse_index(await client.get_object(index, MAX_INDEX_BYTES), path=index_path)
+        directory = index.key.rpartition("/")[0]
+        prefix = f"{directory}/" if directory else ""
+        files = [type(index)(index.bucket, prefix + shard) for shard in sorted(set(names.values()))]
+        fronts = await _indexed_fronts(files, shard_front, index_path)
+    finally:
+        for task in started.values():
+            task.cancel()
+        await asyncio.gather(*started.values(), return_exceptions=True)
+    weight_map = {name: str(type(index)(index.bucket, prefix + shard)) for name, shard in names.items()}
+    resolved = ResolvedSource(
+        paths=tuple(str(u) for u in files), weight_map=weight_map, index_path=index_path
+    )
+    return base.Opened(resolved, fronts)
+
+
 async def _indexed_fronts(
-    files: list[ObjectUri], front: Callable[[ObjectUri], Coroutine[Any, Any, base.Front]], index_path: str
+    files: list[ObjectUri], front: FrontReader, index_path: str
 ) -> tuple[base.Front, ...]:
     """The fronts of an index's shards; shards the bucket lacks (an interrupted upload) are one
     error naming the index and every missing shard, and a forbidden one names the index too."""
@@ -253,9 +304,9 @@ async def _list_prefix(
     keys = await client.list_keys(prefix.bucket, prefix.key)
     indexes = [k[len(prefix.key) :] for k in keys if k.endswith(SAFETENSORS_INDEX_SUFFIX)]
     index = choose_index(indexes, where=str(prefix))
-    if index is not None:
-        return [], type(prefix)(prefix.bucket, prefix.key + index)
     files = [type(prefix)(prefix.bucket, k) for k in keys if k.endswith(_SUFFIX)]
+    if index is not None:
+        return files, type(prefix)(prefix.bucket, prefix.key + index)
     if not files:
         raise client.source_error("no *.safetensors object directly under this prefix", prefix)
     return files, None
