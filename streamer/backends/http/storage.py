@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from streamer.backends import base
-from streamer.backends.http.client import ObjectStoreClient, RetrySettings
+from streamer.backends.http.client import ObjectStoreClient, RetrySettings, cancel_all
 from streamer.backends.http.feeder import LandedCheck, ObjectFeeder
 from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.sources import (
@@ -251,9 +251,7 @@ async def _open_index(
         files = [type(index)(index.bucket, prefix + shard) for shard in sorted(set(names.values()))]
         fronts = await _indexed_fronts(files, shard_front, index_path)
     finally:
-        for task in started.values():
-            task.cancel()
-        await asyncio.gather(*started.values(), return_exceptions=True)
+        await cancel_all(list(started.values()))
     weight_map = {name: str(type(index)(index.bucket, prefix + shard)) for name, shard in names.items()}
     resolved = ResolvedSource(
         paths=tuple(str(u) for u in files), weight_map=weight_map, index_path=index_path
