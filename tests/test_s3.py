@@ -303,23 +303,32 @@ def test_only_a_complete_set_of_the_index_s_shard_names_is_read_early(
     assert index_set(index, uris) == [uris[i] for i in early]
 
 
+def _two_of_three_named(
+    s3: Any, tmp_path: Path, prefix: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Three shards named as a complete set under ``prefix``, and an index naming the first two:
+    every tensor, and the index's weight map."""
+    g = torch.Generator().manual_seed(8)
+    tensors = {f"w{i}": random_tensor((64 * KiB,), torch.float32, g) for i in range(6)}
+    written = write_checkpoint(tmp_path / prefix, tensors, shards=3)
+    index = json.loads(written.index.read_text()) if written.index else {}
+    named = {
+        name: shard for name, shard in index["weight_map"].items() if not shard.startswith("model-00003")
+    }
+    upload(s3, written, prefix)
+    s3.put_object(
+        Bucket=BUCKET, Key=f"{prefix}/model.safetensors.index.json", Body=json.dumps({"weight_map": named})
+    )
+    return tensors, named
+
+
 def test_shard_fronts_read_early_that_the_index_does_not_name_are_dropped(
     proxy: FaultProxy, s3: Any, tmp_path: Path, no_leaks: None
 ) -> None:
     """The listing shows a complete set of three shards but the index names two: the third (denied)
     is asked for while the index is read, and its refusal is not the load's; the stray
     ``consolidated.safetensors`` is never asked for."""
-    g = torch.Generator().manual_seed(8)
-    tensors = {f"w{i}": random_tensor((64,), torch.float32, g) for i in range(6)}
-    written = write_checkpoint(tmp_path / "m", tensors, shards=3)
-    index = json.loads(written.index.read_text()) if written.index else {}
-    named = {
-        name: shard for name, shard in index["weight_map"].items() if not shard.startswith("model-00003")
-    }
-    upload(s3, written, "partly")
-    s3.put_object(
-        Bucket=BUCKET, Key="partly/model.safetensors.index.json", Body=json.dumps({"weight_map": named})
-    )
+    tensors, named = _two_of_three_named(s3, tmp_path, "partly")
     s3.put_object(Bucket=BUCKET, Key="partly/consolidated.safetensors", Body=b"not read")
     asked: list[str] = []
 
@@ -332,6 +341,22 @@ def test_shard_fronts_read_early_that_the_index_does_not_name_are_dropped(
     assert_same_dict(loaded, {name: tensors[name] for name in named})
     assert any("model-00003" in path for path in asked)  # read early, while the index was
     assert not any("consolidated" in path for path in asked)
+
+
+def test_an_early_shard_front_that_stalls_is_cancelled_not_waited_for(
+    proxy: FaultProxy, s3: Any, tmp_path: Path
+) -> None:
+    """The unnamed shard's early read gets its headers and then silence: the open does not wait
+    for it (it is cancelled once the index is read). (The proxy's own thread stays in the stall,
+    so the leak check is the test above's, where the early read is refused instead.)"""
+    tensors, named = _two_of_three_named(s3, tmp_path, "stalling")
+    proxy.stall_seconds = 60.0
+    proxy.inject("stall", times=None, match=lambda method, path, headers: "model-00003" in path)
+    started = time.monotonic()
+    loaded = streamer.load(f"s3://{BUCKET}/stalling/", config=cfg(proxy.endpoint_url))
+    assert time.monotonic() - started < 30  # a hang check: the stall alone lasts 60 s
+    assert_same_dict(loaded, {name: tensors[name] for name in named})
+    assert proxy.injected >= 1
 
 
 @pytest.mark.parametrize(
