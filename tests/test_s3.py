@@ -290,6 +290,7 @@ def _uris(*keys: str) -> list[S3Uri]:
         (["m/model-00001-of-00002.safetensors"], []),  # incomplete: which other shards is unknown
         (["m/model-00001-of-00002.safetensors", "m/model-00002-of-00003.safetensors"], []),  # two sets
         (["m/model-00001-of-00002.safetensors", "m/model-2-of-2.safetensors"], []),  # spelt two ways
+        (["m/model-1-of-2.safetensors", "m/model-01-of-2.safetensors", "m/model-2-of-2.safetensors"], []),
         (["m/other-00001-of-00001.safetensors"], []),  # another stem than the index's
         (["m/model-00000-of-00001.safetensors"], []),
         (["m/model-00001-of-99999999999999999999.safetensors"], []),  # a listing cannot make it count

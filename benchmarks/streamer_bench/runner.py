@@ -330,10 +330,7 @@ def run_section(
         if budget is not None and r >= (min_rounds or 1):
             spent = budget.clock() - started
             if not budget.fits(spent / r, spent / max(n, 1)):
-                undecided = decided is not None and not decided()
-                return f"{r} rounds: another would not end within --time-budget" + (
-                    "; some verdicts undecided" if undecided else ""
-                )
+                return f"{r} rounds: another would not end within --time-budget" + _undecided(decided)
         if r == prune_after:
             for config in prune(configs, r):
                 progress(f"[{state}] {config.setting.loader} {config.setting.label}: {config.pruned}")
@@ -401,7 +398,9 @@ def run_section(
                 )
             else:
                 progress(f"[{state} {n}/{total}] {label}: FAILED {run.error}")
-    undecided = decided is not None and not decided()
-    return f"{repeat} rounds, the most asked for (--repeat)" + (
-        "; some verdicts undecided" if undecided else ""
-    )
+    return f"{repeat} rounds, the most asked for (--repeat)" + _undecided(decided)
+
+
+def _undecided(decided: Callable[[], bool] | None) -> str:
+    """What a state's stop reason adds when it ended with a verdict still undecided."""
+    return "; some verdicts undecided" if decided is not None and not decided() else ""

@@ -220,7 +220,10 @@ def index_set(index: ObjectUri, listed: Sequence[ObjectUri]) -> list[ObjectUri]:
         match = _SHARD_NAME.fullmatch(uri.key.rpartition("/")[2])
         if match is None or match["stem"] != stem:
             continue
-        numbered[int(match["number"])] = uri
+        number = int(match["number"])
+        if number in numbered:  # one number spelt twice ("-1-of-2", "-01-of-2"): not one set
+            return []
+        numbered[number] = uri
         totals.add(match["total"])
     if (
         len(totals) != 1
@@ -248,13 +251,13 @@ async def _open_index(
         names = parse_index(await client.get_object(index, MAX_INDEX_BYTES), path=index_path)
         directory = index.key.rpartition("/")[0]
         prefix = f"{directory}/" if directory else ""
-        files = [type(index)(index.bucket, prefix + shard) for shard in sorted(set(names.values()))]
-        fronts = await _indexed_fronts(files, shard_front, index_path)
+        shards = {shard: type(index)(index.bucket, prefix + shard) for shard in sorted(set(names.values()))}
+        fronts = await _indexed_fronts(list(shards.values()), shard_front, index_path)
     finally:
         await cancel_all(list(started.values()))
-    weight_map = {name: str(type(index)(index.bucket, prefix + shard)) for name, shard in names.items()}
+    weight_map = {name: str(shards[shard]) for name, shard in names.items()}
     resolved = ResolvedSource(
-        paths=tuple(str(u) for u in files), weight_map=weight_map, index_path=index_path
+        paths=tuple(str(u) for u in shards.values()), weight_map=weight_map, index_path=index_path
     )
     return base.Opened(resolved, fronts)
 
