@@ -8,10 +8,11 @@ import posixpath
 import re
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
 from streamer.errors import MissingFileError, SourceError, SourceTypeError, StreamerError, listed
+from streamer.records import record
 
 SourceLike = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
 PathArg = str | bytes | os.PathLike[str] | os.PathLike[bytes]
@@ -27,7 +28,7 @@ MAX_INDEX_ENTRIES = 1 << 21
 _URI = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
-@dataclass(frozen=True)
+@record
 class ResolvedSource:
     """The files to read, in checkpoint order, and the index's tensor→file map if one was given."""
 

@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import grp
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Literal
 
 from streamer.config.fields import (
@@ -28,6 +28,7 @@ from streamer.config.fields import (
 from streamer.errors import ConfigError
 from streamer.host.machine import STAGED_READERS, default_readers, hugepages_by_default, usable_cores
 from streamer.host.safedir import Access
+from streamer.records import record
 
 IoMode = Literal["auto", "buffered", "direct"]
 IO_MODES: tuple[IoMode, ...] = ("auto", "buffered", "direct")
@@ -49,7 +50,7 @@ def _masked_repr(config: object, secrets: tuple[str, ...]) -> str:
     return f"{type(config).__name__}({', '.join(shown)})"
 
 
-@dataclass(frozen=True, repr=False)  # its own __repr__ masks the credentials
+@record  # its own __repr__ masks the credentials
 class S3Config:
     """How S3 sources are read. Unset credentials use boto3's standard chain (environment, shared
     profile, web identity, instance role); explicit ones are never shown by ``repr``.
@@ -132,7 +133,7 @@ def _emulator(value: object) -> str | None:
     return host if "://" in host else f"http://{host}"
 
 
-@dataclass(frozen=True)
+@record
 class GCSConfig:
     """How ``gs://`` sources are read. Credentials are Google's Application Default Credentials
     (``GOOGLE_APPLICATION_CREDENTIALS``, workload identity or the metadata server, gcloud's user
@@ -187,7 +188,7 @@ class GCSConfig:
         return (self.endpoint_url or self.emulator_host or GCS_ENDPOINT).rstrip("/")
 
 
-@dataclass(frozen=True, repr=False)  # its own __repr__ masks the credentials
+@record  # its own __repr__ masks the credentials
 class AzureConfig:
     """How Azure Blob sources (``az://container/key``, ``https://<account>.blob.core.windows.net/...``)
     are read. Credentials, first found: ``sas_token``; ``account_key`` (a read-only SAS is signed
@@ -244,7 +245,7 @@ def _group(value: object) -> int | None:
     return gid
 
 
-@dataclass(frozen=True)
+@record
 class CacheConfig:
     """A local cache of object-storage blocks, shared by the processes of a node (S3 sources).
 
@@ -308,7 +309,7 @@ def _memory_limit(value: object) -> MemoryLimit:
     return limit
 
 
-@dataclass(frozen=True)
+@record
 class StreamerConfig:
     """How a load runs.
 

@@ -25,7 +25,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any, NamedTuple
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from streamer.errors import HeaderError, SourceError, TruncatedFileError
 from streamer.format.dtypes import DTYPES, NO_TORCH_DTYPE, DType
 from streamer.format.impostors import what_it_is
+from streamer.records import record
 
 MAX_HEADER_BYTES = 100_000_000  # the same cap safetensors applies
 # Tensors one file may declare. Parsing costs ~25 us and ~1 KiB per tensor: a 100 MB header
@@ -69,7 +70,7 @@ class TensorEntry(NamedTuple):
         return self.end - self.begin
 
 
-@dataclass(frozen=True)
+@record
 class FileHeader:
     """A validated header: tensors sorted by ``(begin, end)`` (ties by name), covering the data
     section exactly."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
+from streamer.records import record
 
-@dataclass
+
+@record(frozen=False)
 class LoadMetrics:
     """Counters of one run. Times are seconds; ``*_wait_seconds`` are stalls of the consumer."""
 

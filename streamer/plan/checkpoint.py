@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from streamer.backends import open_storage
@@ -16,6 +15,7 @@ from streamer.backends.sources import ResolvedSource, SourceArg, SourceLike, as_
 from streamer.config import S3Config, StreamerConfig, default_config
 from streamer.errors import MissingTensorError, SourceError, StreamerError
 from streamer.format.safetensors import FileHeader, TensorEntry, header_end, parse_front
+from streamer.records import record
 
 KeySelection = Callable[[str], bool] | Collection[str]
 """Which tensors a handle reads: their names, or a test a name passes."""
@@ -28,7 +28,7 @@ class TensorRef(NamedTuple):
     entry: TensorEntry
 
 
-@dataclass(frozen=True)
+@record
 class Checkpoint:
     headers: tuple[FileHeader, ...]
     tensors: dict[str, TensorRef]  # in checkpoint order: file order, then offset order
