@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar, overload
 
 if sys.version_info >= (3, 11):
     from typing import dataclass_transform
-else:  # pragma: no cover - the oldest Python CI runs
+else:  # Python 3.10
     from typing_extensions import dataclass_transform
 
 RecordClass = TypeVar("RecordClass", bound=type)

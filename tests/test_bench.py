@@ -7,6 +7,7 @@ errors and the refusal logic are checked in-process, where they are cheap.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import shutil
@@ -733,3 +734,18 @@ def test_measure_round_reads_at_the_ceiling_s_best_reader_count(tmp_path: Path) 
     ceilings.measure_round(found, made.files, lambda: prepared.append("prepared"), 3)
     assert prepared == ["prepared"] and [r["round"] for r in found.rounds] == [3]
     assert found.rounds[0]["gbps"] > 0
+
+
+IMPORT_TIME = Path(__file__).resolve().parent.parent / "benchmarks" / "import_time.py"
+
+
+def test_the_import_benchmark_times_an_installed_import_after_torch_and_wants_five_rounds() -> None:
+    spec = importlib.util.spec_from_file_location("import_time", IMPORT_TIME)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert 0 < module.import_seconds("streamer") < 30  # from /: the installed package, not a checkout's
+    done = subprocess.run(
+        [sys.executable, str(IMPORT_TIME), "--repeat", "4"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "at least 5 rounds" in done.stderr
