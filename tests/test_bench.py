@@ -739,13 +739,37 @@ def test_measure_round_reads_at_the_ceiling_s_best_reader_count(tmp_path: Path) 
 IMPORT_TIME = Path(__file__).resolve().parent.parent / "benchmarks" / "import_time.py"
 
 
-def test_the_import_benchmark_times_an_installed_import_after_torch_and_wants_five_rounds() -> None:
+def _import_time_module() -> Any:
     spec = importlib.util.spec_from_file_location("import_time", IMPORT_TIME)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert 0 < module.import_seconds("streamer") < 30  # from /: the installed package, not a checkout's
+    return module
+
+
+def test_the_import_benchmark_times_an_installed_import_after_torch_and_wants_five_rounds() -> None:
+    assert 0 < _import_time_module().import_seconds("streamer") < 30  # from /: the installed package
     done = subprocess.run(
         [sys.executable, str(IMPORT_TIME), "--repeat", "4"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and "at least 5 rounds" in done.stderr
+
+
+def test_the_import_benchmark_names_an_import_that_fails_and_pairs_the_others(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = _import_time_module()
+    timed = {"streamer": 0.030, "safetensors.torch": 0.002}
+
+    def import_seconds(name: str, python: str = sys.executable) -> float:
+        if name not in timed:
+            raise subprocess.CalledProcessError(1, [python], stderr="ModuleNotFoundError: no runai here\n")
+        return timed[name]
+
+    monkeypatch.setattr(module, "import_seconds", import_seconds)
+    monkeypatch.setattr(sys, "argv", ["import_time.py", "--repeat", "5"])
+    assert module.main() == 0
+    out = capsys.readouterr().out
+    assert "runai: not timed, `import runai_model_streamer` fails: ModuleNotFoundError: no runai here" in out
+    assert "streamer     median   30.0 ms" in out
+    assert "safetensors ÷ streamer: 0.07x" in out and "over 5 rounds: behind" in out

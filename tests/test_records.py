@@ -49,7 +49,7 @@ def _outcome(make: Callable[[], Any]) -> tuple[str, str]:
     class's qualified name (which differs between the two decorations' local classes)."""
     try:
         return ("value", repr(make()).split("(", 1)[1])
-    except Exception as error:  # noqa: BLE001 - the error is what is compared
+    except Exception as error:  # the error is what is compared
         return (type(error).__name__, str(error).replace("_made.<locals>.Point", "Point"))
 
 
