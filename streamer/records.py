@@ -7,11 +7,16 @@ frozen, a ``__setattr__`` and ``__delattr__`` for every class: ~0.8 ms for a cla
 class methods shared by every record, which read those fields: the same arguments, defaults,
 factories, ``__post_init__``, comparison, hashing, repr and frozenness as ``dataclass(frozen=True)``
 (or ``frozen=False``), for ~0.4 ms a class. Type checkers see a dataclass.
+
+A record's subclass is a plain class or a ``@record``: ``dataclasses`` takes a record for a
+mutable dataclass (telling it otherwise costs the generated methods back), so it refuses to make
+a frozen dataclass of a subclass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar, overload
@@ -41,6 +46,24 @@ class _Layout(NamedTuple):
     compared: tuple[str, ...]
     hashed: tuple[str, ...]
     shown: tuple[str, ...]
+
+
+class _Factory:
+    def __repr__(self) -> str:
+        return "<factory>"  # what dataclasses' own signatures show for a default_factory
+
+
+def _signature_of(cls: type) -> inspect.Signature:
+    """The constructor's signature as ``dataclass`` would make it, for ``help`` and ``inspect``."""
+    parameters = []
+    for f in dataclasses.fields(cls):
+        if f.init:
+            default = f.default if f.default is not _MISSING else inspect.Parameter.empty
+            if f.default_factory is not _MISSING:
+                default = _Factory()
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+            parameters.append(inspect.Parameter(f.name, kind, default=default, annotation=f.type))
+    return inspect.Signature(parameters, return_annotation=None)
 
 
 def _layout_of(cls: type) -> _Layout:
@@ -126,6 +149,7 @@ def _make(cls: RecordClass, frozen: bool) -> RecordClass:
         if cls.__dict__.get(name) is None:  # a class's own method wins (__hash__ None: __eq__ alone)
             setattr(cls, name, method)
     cls.__record_layout__ = _layout_of(cls)  # type: ignore[attr-defined]
+    cls.__signature__ = _signature_of(cls)  # type: ignore[attr-defined]
     return cls
 
 

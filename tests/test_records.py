@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import pickle
 import subprocess
 import sys
@@ -160,3 +161,29 @@ print(" ".join(slow))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == []
+
+
+def test_a_subclass_of_a_record_is_a_plain_class_or_a_record() -> None:
+    @record
+    class Base:
+        x: int = 1
+
+    class Plain(Base):
+        pass
+
+    @record
+    class Extended(Base):
+        y: int = 2
+
+    assert Plain(3).x == 3 and dataclasses.replace(Plain(3), x=4) == Plain(4)
+    assert repr(Extended(y=5)).endswith("Extended(x=1, y=5)") and Extended(1, 2) == Extended()
+    with pytest.raises(TypeError, match="cannot inherit frozen dataclass from a non-frozen one"):
+        dataclasses.dataclass(frozen=True)(type("Frozen", (Base,), {}))
+
+
+def test_the_constructor_signature_is_the_dataclass_one() -> None:
+    """What ``help`` and ``inspect`` show of a record's constructor."""
+    made = {name: _made(decorate) for name, decorate in _pair()}
+    shown = {name: str(inspect.signature(cls)) for name, cls in made.items()}
+    assert shown["record"] == shown["dataclass"]
+    assert shown["record"].startswith("(x: 'int', y: 'int' = 2, tags: 'tuple[str, ...]' = <factory>")
