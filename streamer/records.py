@@ -53,6 +53,9 @@ class _Factory:
         return "<factory>"  # what dataclasses' own signatures show for a default_factory
 
 
+_FACTORY = _Factory()
+
+
 def _signature_of(cls: type) -> inspect.Signature:
     """The constructor's signature as ``dataclass`` would make it, for ``help`` and ``inspect``."""
     parameters = []
@@ -60,7 +63,7 @@ def _signature_of(cls: type) -> inspect.Signature:
         if f.init:
             default = f.default if f.default is not _MISSING else inspect.Parameter.empty
             if f.default_factory is not _MISSING:
-                default = _Factory()
+                default = _FACTORY
             kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
             parameters.append(inspect.Parameter(f.name, kind, default=default, annotation=f.type))
     return inspect.Signature(parameters, return_annotation=None)
