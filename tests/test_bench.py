@@ -608,10 +608,42 @@ def test_a_cache_state_ends_once_every_verdict_is_decided(
     )
     stopped = runner.run_section(
         configs, "warm", 8, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None,
-        min_rounds=5, decided=lambda: report.decided("warm", configs),
+        min_rounds=5, undecided=lambda: report.undecided("warm", configs),
     )  # fmt: skip
     assert [len(c.runs) for c in configs] == [runs, runs]
     assert stopped.startswith(why)
+
+
+def test_a_peer_whose_verdict_is_decided_stops_while_another_stays_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors is clearly behind after the 5 minimum rounds: its rounds end there and its
+    verdict stands on them, while Run:ai's, never separable, runs to --repeat."""
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    files, index = [str(f) for f in made.files], str(made.index)
+    loaders = ("streamer", "safetensors", "runai")
+    configs = [runner.Config(Setting(loader), files, index) for loader in loaders]
+    seconds = {
+        "streamer": lambda r: 1.0,
+        "safetensors": lambda r: 2.0 + r / 100,  # clearly behind
+        "runai": lambda r: 1.0 + (-1) ** r / 10,  # never separable
+    }
+    monkeypatch.setattr(runner, "_prepare", lambda config, state: (0, None))
+    monkeypatch.setattr(runner, "call_child", _timed_child(seconds))
+    said: list[str] = []
+    stopped = runner.run_section(
+        configs, "warm", 8, device="cpu", streamer_api="open", timeout=60, progress=said.append,
+        min_rounds=5, undecided=lambda: report.undecided("warm", configs),
+    )  # fmt: skip
+    assert [len(c.runs) for c in configs] == [8, 5, 8]
+    assert stopped == "8 rounds, the most asked for (--repeat); some verdicts undecided"
+    assert configs[1].retired is not None and configs[1].retired.startswith("not run after round 5")
+    assert "[warm] safetensors default: not run after round 5: its verdict was decided" in "\n".join(said)
+    assert configs[0].retired is None and configs[2].retired is None
+    section = report.section("warm", configs, [])
+    verdicts = {c["loader"]: (c["rounds"], c["verdict"]) for c in section["comparisons"]}
+    assert verdicts == {"safetensors": (5, "ahead"), "runai": (8, "not separable")}
+    assert [r["loader"] for r in section["best"]] == ["streamer", "safetensors", "runai"]
 
 
 def _streamer_and_safetensors(tmp_path: Path) -> list[runner.Config]:
@@ -646,7 +678,7 @@ def test_a_time_budget_ends_a_state_when_the_next_round_would_not_fit(
     monkeypatch.setattr(runner, "call_child", two_seconds)
     stopped = runner.run_section(
         configs, "warm", 10, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None,
-        min_rounds=5, decided=lambda: report.decided("warm", configs),
+        min_rounds=5, undecided=lambda: report.undecided("warm", configs),
         budget=runner.TimeBudget(30.0, later_runs=2, later_seconds=2.0, clock=clock),
     )  # fmt: skip
     assert [len(c.runs) for c in configs] == [6, 6]
@@ -669,7 +701,7 @@ def test_a_budget_too_small_still_runs_the_minimum_rounds(
     monkeypatch.setattr(runner, "call_child", one_second)
     runner.run_section(
         configs, "warm", 10, device="cpu", streamer_api="open", timeout=60, progress=lambda _: None,
-        min_rounds=5, decided=lambda: report.decided("warm", configs),
+        min_rounds=5, undecided=lambda: report.undecided("warm", configs),
         budget=runner.TimeBudget(1.0, clock=clock),
     )  # fmt: skip
     assert [len(c.runs) for c in configs] == [runs, runs]

@@ -294,7 +294,7 @@ def run_sections(
                 clock=args.clock,
                 settle=args.settle,
                 min_rounds=args.min_rounds,
-                decided=functools.partial(report.decided, state, configs),
+                undecided=functools.partial(report.undecided, state, configs),
                 prune_after=args.prune_after,
                 each_round=each_round,
                 budget=time_budget(args, progress.start, planned, args.states[i + 1 :]),

@@ -58,6 +58,7 @@ def summarize(config: Config) -> dict[str, Any]:
         "faults_per_gib": median_faults / (nbytes / GIB) if median_faults is not None and nbytes else None,
         "cpu_s": statistics.median(cpu) if cpu else None,
         "pruned": config.pruned,
+        "retired": config.retired,
         "runs": [_run_json(r) for r in config.runs],
     }
 
@@ -143,10 +144,11 @@ def ceiling_pairs(results: Sequence[dict[str, Any]], ceilings: Sequence[Ceiling]
     return out
 
 
-def decided(state: str, configs: Sequence[Config]) -> bool:
-    """Whether every paired verdict of ``state`` is decided (ahead or behind): more rounds would
-    only narrow intervals that already exclude 1. True when there is no peer to compare with."""
-    return all(c["verdict"] in ("ahead", "behind") for c in section(state, configs, [])["comparisons"])
+def undecided(state: str, configs: Sequence[Config]) -> set[str]:
+    """The peers whose paired verdict in ``state`` is still open (neither ahead nor behind); for
+    the others more rounds would only narrow intervals that already exclude 1."""
+    comparisons = section(state, configs, [])["comparisons"]
+    return {c["loader"] for c in comparisons if c["verdict"] not in ("ahead", "behind")}
 
 
 def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) -> dict[str, Any]:
@@ -365,8 +367,9 @@ def render(document: dict[str, Any]) -> str:
         if bound is not None:
             out.append(_binding_line(sec["cache"], bound))
         for r in sec["results"]:
-            if r.get("pruned"):
-                out.append(f"-- {sec['cache']}: {r['loader']} {r['setting']}: {r['pruned']}")
+            for why in (r.get("pruned"), r.get("retired")):
+                if why:
+                    out.append(f"-- {sec['cache']}: {r['loader']} {r['setting']}: {why}")
         if sec.get("stopped"):
             out.append(f"-- {sec['cache']}: stopped: {sec['stopped']}")
         if sec["ceilings"]:

@@ -190,6 +190,12 @@ class Config:
     source: str
     runs: list[Run] = field(default_factory=list)
     pruned: str | None = None  # why it stopped running before the state ended (``prune``)
+    retired: str | None = None  # why it stopped once its verdict was decided (``retire``)
+
+    @property
+    def running(self) -> bool:
+        """Whether this setting still runs in the state's next round."""
+        return self.pruned is None and self.retired is None
 
     @property
     def paths(self) -> list[Path]:
@@ -252,7 +258,7 @@ def prune(configs: Sequence[Config], rounds: int) -> list[Config]:
         others = [medians[id(c)] for c in configs if c.setting.loader == loader and c is not config
                   and id(c) in medians]  # fmt: skip
         mine = medians.get(id(config))
-        if loader in ("streamer", "baseline") or mine is None or not others:
+        if loader in ("streamer", "baseline") or mine is None or not others or not config.running:
             continue
         if mine > PRUNE_MARGIN * min(others):
             config.pruned = (
@@ -261,6 +267,20 @@ def prune(configs: Sequence[Config], rounds: int) -> list[Config]:
             )
             dropped.append(config)
     return dropped
+
+
+def retire(configs: Sequence[Config], undecided: set[str], rounds: int) -> list[Config]:
+    """Marks (``Config.retired``) and returns the running peer settings whose loader's verdict is
+    decided after ``rounds`` rounds: its interval already excludes 1, so the rounds left go to the
+    verdicts still open. A retired setting stays its loader's best, judged on the rounds it ran."""
+    peers = [c for c in configs if c.running and c.setting.loader != "streamer"]
+    done = [c for c in peers if c.setting.loader not in undecided]
+    for config in done:
+        config.retired = (
+            f"not run after round {rounds}: its verdict was decided "
+            "(--min-rounds equal to --repeat runs every setting every round)"
+        )
+    return done
 
 
 def round_order(configs: Sequence[T], round_index: int) -> list[T]:
@@ -301,7 +321,7 @@ def run_section(
     clock: str = "load",
     settle: float = 0.0,
     min_rounds: int | None = None,
-    decided: Callable[[], bool] | None = None,
+    undecided: Callable[[], set[str]] | None = None,
     prune_after: int | None = None,
     each_round: Callable[[int], None] | None = None,
     budget: TimeBudget | None = None,
@@ -316,28 +336,34 @@ def run_section(
     process) says which of the child's two times is the run's ``seconds``; both are kept.
 
     Adaptive: after ``min_rounds`` rounds (and each round after), the state ends as soon as
-    ``decided()`` says every verdict is decided; after ``prune_after`` rounds, the peer settings
-    far from their loader's best stop running (``prune``). ``each_round(r)`` runs before round
-    ``r``'s loads (a read ceiling measured again, for ratios paired by round). With a ``budget``,
-    a state past ``min_rounds`` also ends when another round, at the mean length of its rounds so
-    far, would not fit. Returns why the state ended."""
+    ``undecided()`` (the peers whose verdict is still open) is empty, and a peer whose verdict is
+    decided stops running (``retire``); after ``prune_after`` rounds, the peer settings far from
+    their loader's best stop running (``prune``). ``each_round(r)`` runs before round ``r``'s loads
+    (a read ceiling measured again, for ratios paired by round). With a ``budget``, a state past
+    ``min_rounds`` also ends when another round, at the mean length of its runs so far times the
+    settings still running, would not fit. Returns why the state ended."""
     total = repeat * len(configs)
     n = 0
     started = budget.clock() if budget is not None else 0.0
     for r in range(repeat):
-        if decided is not None and min_rounds is not None and min_rounds <= r and decided():
-            return f"every verdict decided after {r} rounds (at least {min_rounds}, at most {repeat})"
-        if budget is not None and r >= (min_rounds or 1):
-            spent = budget.clock() - started
-            if not budget.fits(spent / r, spent / max(n, 1)):
-                return f"{r} rounds: another would not end within --time-budget" + _undecided(decided)
+        if undecided is not None and min_rounds is not None and min_rounds <= r:
+            still_open = undecided()
+            if not still_open:
+                return f"every verdict decided after {r} rounds (at least {min_rounds}, at most {repeat})"
+            for config in retire(configs, still_open, r):
+                progress(f"[{state}] {config.setting.loader} {config.setting.label}: {config.retired}")
         if r == prune_after:
             for config in prune(configs, r):
                 progress(f"[{state}] {config.setting.loader} {config.setting.label}: {config.pruned}")
-            total = n + (repeat - r) * sum(c.pruned is None for c in configs)
+        running = [c for c in configs if c.running]
+        total = n + (repeat - r) * len(running)
+        if budget is not None and r >= (min_rounds or 1):
+            per_run = (budget.clock() - started) / max(n, 1)
+            if not budget.fits(per_run * len(running), per_run):
+                return f"{r} rounds: another would not end within --time-budget" + _undecided(undecided)
         if each_round is not None:
             each_round(r)
-        for config in round_order([c for c in configs if c.pruned is None], r):
+        for config in round_order(running, r):
             n += 1
             label = f"{config.setting.loader} {config.setting.label}"
             resident, problem = _prepare(config, state)
@@ -398,9 +424,9 @@ def run_section(
                 )
             else:
                 progress(f"[{state} {n}/{total}] {label}: FAILED {run.error}")
-    return f"{repeat} rounds, the most asked for (--repeat)" + _undecided(decided)
+    return f"{repeat} rounds, the most asked for (--repeat)" + _undecided(undecided)
 
 
-def _undecided(decided: Callable[[], bool] | None) -> str:
+def _undecided(undecided: Callable[[], set[str]] | None) -> str:
     """What a state's stop reason adds when it ended with a verdict still undecided."""
-    return "; some verdicts undecided" if decided is not None and not decided() else ""
+    return "; some verdicts undecided" if undecided is not None and undecided() else ""
