@@ -24,7 +24,7 @@ from conftest import BENCH_ENV, bench, bench_report
 
 from streamer.host.machine import free_page_reporting
 from streamer_bench import arguments, ceilings, cli, pagecache, report, runner, synthetic
-from streamer_bench.files import resolve
+from streamer_bench.files import CheckpointFiles, resolve
 from streamer_bench.loaders import INTO_SETTING, Setting
 
 MiB = 1 << 20
@@ -719,6 +719,36 @@ def test_the_budget_of_a_state_keeps_the_later_states_minimum_rounds() -> None:
     warm = cli.time_budget(args, 100.0, planned, [])
     assert warm is not None and warm.later_runs == 0 and warm.later_seconds == cli.CEILING_RESERVE_SECONDS
     assert cli.time_budget(arguments.parse_args(["--time-budget", "none"]), 0.0, planned, ["warm"]) is None
+
+
+@pytest.mark.parametrize(("budget", "ran"), [("300", ["warm", "cold"]), ("none", ["cold", "warm"])])
+def test_under_a_time_budget_warm_runs_first_and_cold_takes_the_time_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str, ran: list[str]
+) -> None:
+    """Cold, run last, keeps nothing back for a later state's rounds (only the memory ceilings);
+    the report lists the states as asked, cold first, whatever order they ran in."""
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    checkpoint = CheckpointFiles(str(made.index), list(made.files), 256 * 1024, 1)
+    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", budget, "--no-ceilings"])
+    args.ceilings = True  # what the budget keeps for them, without measuring any
+    planned = [(Setting("streamer"), [str(f) for f in made.files])]
+    budgets: dict[str, runner.TimeBudget | None] = {}
+
+    def run_section(configs: list[runner.Config], state: str, *args: Any, **options: Any) -> str:
+        budgets[state] = options["budget"]
+        return "stopped"
+
+    monkeypatch.setattr(runner, "run_section", run_section)
+    monkeypatch.setattr(ceilings, "storage_ceilings", lambda *args, **options: [])
+    monkeypatch.setattr(cli, "memory_ceilings", lambda *args: [])
+    sections, _, stop = cli.measure(args, checkpoint, planned, {}, cli.Progress(quiet=True))
+    assert stop is None and list(budgets) == ran
+    assert [section["cache"] for section in sections] == ["cold", "warm"]
+    cold = budgets["cold"]
+    if budget == "none":
+        assert cold is None
+    else:
+        assert cold is not None and cold.later_runs == 0 and cold.later_seconds == cli.CEILING_RESERVE_SECONDS
 
 
 def test_cold_loads_are_divided_by_the_ceiling_of_their_own_round(
