@@ -145,30 +145,35 @@ class Prefaulter:
     pages into: those pages must not exist yet.
     """
 
-    # One task per 2 MiB, not per 64: with 64 MiB tasks the S3 receiving thread, though runnable,
-    # got under 20% of a core while they ran; 2 MiB tasks loaded 1 GiB from the shaped endpoint
-    # 1.20x [1.19, 1.31] faster, paired over 8 rounds (benchmarks/README.md). Small tasks also keep
-    # close() from waiting long.
+    # Populated 2 MiB at a time, not 64: with 64 MiB at a time the S3 receiving thread, though
+    # runnable, got under 20% of a core meanwhile; 2 MiB loaded 1 GiB from the shaped endpoint
+    # 1.20x [1.19, 1.31] faster, paired over 8 rounds (benchmarks/README.md). Small steps also keep
+    # close() from waiting long. One task per range, not per step: submitting 512 tasks for 1 GiB
+    # held the run's thread ~0.13 s before its first request.
     CHUNK = 2 << 20
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="streamer-prefault")
         self._supported = True
+        self._closing = False
         self.submitted = 0  # bytes handed to the thread
 
     def submit(self, address: int, size: int) -> None:
         if not self._supported:
             return
-        for start in range(0, size, self.CHUNK):
-            self._pool.submit(self._populate, address + start, min(self.CHUNK, size - start))
+        self._pool.submit(self._populate, address, size)
         self.submitted += size
 
     def _populate(self, address: int, size: int) -> None:
-        if self._supported and not native.populate(address, size):
-            self._supported = False
+        for start in range(0, size, self.CHUNK):
+            if self._closing or not self._supported:
+                return
+            if not native.populate(address + start, min(self.CHUNK, size - start)):
+                self._supported = False
 
     def close(self) -> None:
-        """Drops what is queued and waits for the chunk in progress."""
+        """Drops what is queued and waits for the step in progress."""
+        self._closing = True
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
