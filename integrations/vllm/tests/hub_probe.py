@@ -1,8 +1,8 @@
-"""Calls the plugin's loader directly, as vLLM would, for a model id; prints ``RESULT {json}``.
+"""Calls the plugin's loader directly, as vLLM would, for model ids; prints ``RESULT {json}``.
 
-``python hub_probe.py MODEL_ID REVISION[,REVISION…] DOWNLOAD_DIR`` (``-``: no revision): for each
-revision, resolves (and "downloads") the id with ``download_model``, then opens what the loader
-would load. Each result names the files and the tensors, or the error's type and message.
+``python hub_probe.py DOWNLOAD_DIR MODEL_ID@REVISION…`` (revision ``-``: none): for each, resolves
+(and "downloads") the id with ``download_model``, then opens what the loader would load. Each
+result names the files and the tensors, or the error's type and message.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ def main() -> None:
     import streamer
     from streamer_vllm.loader import StreamerModelLoader
 
-    model, revisions, download_dir = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    download_dir, wanted = sys.argv[1], sys.argv[2:]
     loader = StreamerModelLoader(LoadConfig(load_format="streamer", download_dir=download_dir))
     results: list[dict[str, Any]] = []
-    for revision in revisions:
+    for model_at_revision in wanted:
+        model, revision = model_at_revision.rsplit("@", 1)
         # The fields of vLLM's ModelConfig that a loader reads to find the weights.
         at = None if revision == "-" else revision
         model_config = SimpleNamespace(model=model, revision=at, model_weights="")

