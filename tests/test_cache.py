@@ -133,10 +133,16 @@ def test_miss_then_hit_bit_exact_with_no_data_get(s3_server: str, model: Written
     got, first = load(prefix(s3_server), cfg(s3_server, tmp_path))
     assert_same_dict(got, expected)
     assert first["cache_errors"] == 0
-    assert first["requests"] - first["retries"] == chunks_of(model)  # each chunk once, blocks straddle
-    assert first["cache_write_bytes"] == sum(s.stat().st_size for s in model.shards)
+    # Each chunk once, blocks straddle. A busy disk makes the load drop a write rather than hold up
+    # its GETs; a chunk shared by two blocks is then fetched again for the second, at most one more
+    # GET per drop.
+    requests, dropped = first["requests"] - first["retries"], first["cache_dropped"]
+    assert chunks_of(model) <= requests <= chunks_of(model) + dropped
     assert first["cache_hit_bytes"] + first["cache_miss_bytes"] == first["bytes"]
-    assert len(chunk_files(tmp_path)) == chunks_of(model)
+    assert chunks_of(model) - dropped <= len(chunk_files(tmp_path)) <= chunks_of(model)
+    if dropped == 0:
+        assert first["cache_write_bytes"] == sum(s.stat().st_size for s in model.shards)
+    fill(prefix(s3_server), cfg(s3_server, tmp_path))
     # Another layout (block size, whole-object reads) hits all the same.
     got, second = load(prefix(s3_server), cfg(s3_server, tmp_path, block_size=100 * KiB))
     assert_same_dict(got, expected)
@@ -152,7 +158,7 @@ def test_miss_then_hit_bit_exact_with_no_data_get(s3_server: str, model: Written
 def test_partial_hits_some_files_some_chunks(s3_server: str, model: Written, tmp_path: Path) -> None:
     expected = reference_load(model.shards)
     one = f"s3://{BUCKET}/model/{model.shards[0].name}"
-    got, _ = load(one, cfg(s3_server, tmp_path))
+    got, _ = fill(one, cfg(s3_server, tmp_path))
     assert_same_dict(got, reference_load(model.shards[:1]))
     got, mixed = load(prefix(s3_server), cfg(s3_server, tmp_path))  # shard 0 cached, shard 1 not
     assert_same_dict(got, expected)
@@ -163,8 +169,11 @@ def test_partial_hits_some_files_some_chunks(s3_server: str, model: Written, tmp
         path.unlink()
     got, chunks = load(prefix(s3_server), cfg(s3_server, tmp_path))
     assert_same_dict(got, expected)
-    assert chunks["requests"] - chunks["retries"] == len(removed) and chunks["cache_hit_bytes"] > 0
-    assert len(chunk_files(tmp_path)) == chunks_of(model)
+    # The removed chunks, and at most one more per write a busy disk made a load drop.
+    refetched = chunks["requests"] - chunks["retries"]
+    assert len(removed) <= refetched <= len(removed) + mixed["cache_dropped"] + chunks["cache_dropped"]
+    assert chunks["cache_hit_bytes"] > 0
+    assert chunks_of(model) - chunks["cache_dropped"] <= len(chunk_files(tmp_path)) <= chunks_of(model)
 
 
 def test_replaced_object_is_a_miss(s3_server: str, s3: Any, tmp_path: Path) -> None:
@@ -187,7 +196,7 @@ def test_replaced_object_is_a_miss(s3_server: str, s3: Any, tmp_path: Path) -> N
 
 def test_corrupted_chunk_is_refetched_and_rewritten(s3_server: str, model: Written, tmp_path: Path) -> None:
     expected = reference_load(model.shards)
-    load(prefix(s3_server), cfg(s3_server, tmp_path))
+    fill(prefix(s3_server), cfg(s3_server, tmp_path))
     victims = chunk_files(tmp_path)[2:4]
     data = bytearray(victims[0].read_bytes())
     data[len(data) // 2] ^= 0x40  # one bit of data
@@ -195,10 +204,14 @@ def test_corrupted_chunk_is_refetched_and_rewritten(s3_server: str, model: Writt
     victims[1].write_bytes(victims[1].read_bytes()[:-100])  # a torn chunk
     got, metrics = load(prefix(s3_server), cfg(s3_server, tmp_path))
     assert_same_dict(got, expected)
-    assert metrics["cache_errors"] == 2 and metrics["requests"] - metrics["retries"] == 2
+    # Both chunks fetched again (once more per write a busy disk made the load drop) and rewritten.
+    dropped = metrics["cache_dropped"]
+    assert metrics["cache_errors"] == 2 and 2 <= metrics["requests"] - metrics["retries"] <= 2 + dropped
     got, again = load(prefix(s3_server), cfg(s3_server, tmp_path))
     assert_same_dict(got, expected)
-    assert again["cache_errors"] == 0 and again["requests"] == 0
+    assert again["cache_errors"] <= dropped
+    if dropped == 0:
+        assert again["cache_errors"] == again["requests"] == 0
 
 
 def test_blocks_inside_large_chunks_hit_and_a_bad_piece_is_refetched(
@@ -242,10 +255,15 @@ def test_blocks_holding_whole_chunks_fetch_and_write_them_in_place(
     config = cfg(s3_server, tmp_path, block_size=CHUNK)
     got, first = load(prefix(s3_server), config)
     assert_same_dict(got, expected)
-    assert first["requests"] - first["retries"] == chunks_of(model)
-    assert first["cache_dropped"] == 0
-    assert first["cache_write_bytes"] == sum(s.stat().st_size for s in model.shards)
+    # A busy disk makes a load drop writes rather than hold up GETs: a shared chunk is then
+    # fetched again for its next block, at most one more GET per drop.
+    requests, dropped = first["requests"] - first["retries"], first["cache_dropped"]
+    assert chunks_of(model) <= requests <= chunks_of(model) + dropped
+    assert chunks_of(model) - dropped <= len(chunk_files(tmp_path)) <= chunks_of(model)
+    if dropped == 0:
+        assert first["cache_write_bytes"] == sum(s.stat().st_size for s in model.shards)
     assert 1 <= shared_buffers <= len(model.shards)
+    fill(prefix(s3_server), config)
     got, hit = load(prefix(s3_server), config)
     assert_same_dict(got, expected)
     assert hit["requests"] == 0 and hit["cache_hit_bytes"] == hit["bytes"]
@@ -310,7 +328,7 @@ def test_closing_mid_load_ends_a_wait_for_another_process_fill(
     but closing the handle after the first tensor ends that wait at once, with no thread or
     descriptor left behind."""
     config = cfg(s3_server, tmp_path)
-    load(prefix(s3_server), config)
+    fill(prefix(s3_server), config)
     threads, fds = thread_count(), fd_count()
     with a_fill_held_elsewhere(tmp_path):
         started = time.monotonic()
@@ -328,7 +346,7 @@ def test_a_wait_for_another_process_fill_ends_at_the_load_deadline(
 ) -> None:
     """Another process holds a missing chunk's lock and never finishes: a load with a 2 s
     ``load_deadline`` fails naming the deadline, long before the 60 s fill wait."""
-    load(prefix(s3_server), cfg(s3_server, tmp_path))
+    fill(prefix(s3_server), cfg(s3_server, tmp_path))
     s3 = loopback_s3_config(s3_server, CREDENTIALS, concurrency=4, load_deadline=2.0)
     config = dataclasses.replace(cfg(s3_server, tmp_path), s3=s3)
     with a_fill_held_elsewhere(tmp_path):
@@ -431,9 +449,15 @@ def test_processes_filling_at_once_fetch_each_chunk_once(
     outputs = [p.communicate(timeout=120)[0] for p in running]
     assert all(p.returncode == 0 for p in running)
     metrics = [json.loads(out) for out in outputs]
-    # One GET per chunk over all processes (a retried GET counts as a request and a retry).
-    assert sum(m["requests"] - m["retries"] for m in metrics) == chunks_of(model)
-    assert sum(m["cache_write_bytes"] for m in metrics) == sum(s.stat().st_size for s in model.shards)
+    # One GET per chunk over all processes (a retried GET counts as a request and a retry). A
+    # busy disk makes a process drop a write rather than hold up its GETs: the next process that
+    # takes that chunk's lock finds it missing and fetches it again, so at most one more per drop.
+    requests = sum(m["requests"] - m["retries"] for m in metrics)
+    dropped = sum(m["cache_dropped"] for m in metrics)
+    assert chunks_of(model) <= requests <= chunks_of(model) + dropped
+    if dropped == 0:
+        assert sum(m["cache_write_bytes"] for m in metrics) == sum(s.stat().st_size for s in model.shards)
+    fill(prefix(s3_server), cfg(s3_server, tmp_path))
     got, hit = load(prefix(s3_server), cfg(s3_server, tmp_path))
     assert_same_dict(got, reference_load(model.shards))
     assert hit["requests"] == 0
@@ -452,7 +476,7 @@ def test_kill_during_fill_leaves_a_correct_cache(s3_server: str, model: Written,
     assert_same_dict(got, reference_load(model.shards))
     assert metrics["cache_errors"] == 0
     assert not list(tmp_path.glob("v3/*/*.tmp.*"))  # cleaned when the cache was opened
-    assert len(chunk_files(tmp_path)) == chunks_of(model)
+    assert chunks_of(model) - metrics["cache_dropped"] <= len(chunk_files(tmp_path)) <= chunks_of(model)
 
 
 def test_eviction_keeps_max_bytes(s3_server: str, model: Written, tmp_path: Path) -> None:
@@ -635,7 +659,7 @@ def test_an_object_gone_since_its_note_is_an_error_not_a_hit(
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "foreign"])
 def test_a_damaged_note_is_no_note(s3_server: str, model: Written, tmp_path: Path, damage: str) -> None:
     config = cfg(s3_server, tmp_path)
-    load(prefix(s3_server), config)
+    fill(prefix(s3_server), config)
     (note,) = note_files(tmp_path)
     data = bytearray(note.read_bytes())
     if damage == "flip":
@@ -659,7 +683,7 @@ def test_closing_a_handle_before_s3_answers_leaves_nothing_running(
     monkeypatch: pytest.MonkeyPatch, s3_server: str, model: Written, tmp_path: Path
 ) -> None:
     config = cfg(s3_server, tmp_path)
-    load(prefix(s3_server), config)
+    fill(prefix(s3_server), config)
     threads, fds = thread_count(), fd_count()
     gate = GatedOpen(monkeypatch)
     handle = streamer.open(prefix(s3_server), config=config)
@@ -678,7 +702,7 @@ def test_no_note_when_a_header_is_longer_than_the_front_read(
 ) -> None:
     config = cfg(s3_server, tmp_path)
     config = dataclasses.replace(config, s3=dataclasses.replace(config.s3, header_bytes=64))
-    got, _ = load(prefix(s3_server), config)
+    got, _ = fill(prefix(s3_server), config)
     assert_same_dict(got, reference_load(model.shards))
     assert not note_files(tmp_path)
     got, metrics = load(prefix(s3_server), config)
