@@ -257,7 +257,6 @@ def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
     threads and descriptors flat."""
     boto3 = pytest.importorskip("boto3")
     moto_server = pytest.importorskip("moto.server")
-    perturbed, expected = perturbed_dir, perturbed_reference
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
@@ -267,8 +266,8 @@ def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
         s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
                           aws_secret_access_key="testing", region_name="us-east-1")  # fmt: skip
         s3.create_bucket(Bucket="models")
-        s3.upload_file(str(perturbed / "model.safetensors"), "models", "perturbed/model.safetensors")
-        reloads: list[str | None] = [None, str(perturbed), str(model_dir), "s3://models/perturbed/"]
+        s3.upload_file(str(perturbed_dir / "model.safetensors"), "models", "perturbed/model.safetensors")
+        reloads: list[str | None] = [None, str(perturbed_dir), str(model_dir), "s3://models/perturbed/"]
         reloads += [str(model_dir)] + [None] * 9
         proc = run_llm(model_dir, "streamer", None, scratch, env=env, reloads=reloads)
         result = result_of(proc)
@@ -276,9 +275,9 @@ def test_reloads_in_place_from_the_same_place_another_directory_and_s3(
         server.stop()
     assert result["token_ids"] == reference["token_ids"]
     tokens = [r["token_ids"] for r in result["reloads"]]
-    assert tokens[:5] == [reference["token_ids"], expected["token_ids"], reference["token_ids"],
-                          expected["token_ids"], reference["token_ids"]]  # fmt: skip
-    assert all(t == reference["token_ids"] for t in tokens[5:])
+    main, other = reference["token_ids"], perturbed_reference["token_ids"]
+    assert tokens[:5] == [main, other, main, other, main]
+    assert all(t == main for t in tokens[5:])
     log = proc.stderr + proc.stdout
     assert log.count("Reading weights for a reload took") == len(reloads)
     assert "from s3://models/perturbed/" in log
