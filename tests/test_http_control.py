@@ -44,7 +44,7 @@ async def exchange(
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    connection = Connection(ssl.create_default_context, 5.0, 5.0)
+    connection = Connection(ssl.create_default_context, lambda target: None, 5.0, 5.0)
     results: list[tuple[int, dict[str, str], bytes] | BaseException] = []
     try:
         for _ in range(requests):

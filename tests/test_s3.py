@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import safetensors.torch
@@ -47,10 +47,12 @@ from tls_relay import TlsRelay
 
 import streamer
 from streamer import S3Config, S3Error, S3SourceError, SourceError, StreamerConfig
+from streamer.backends.http import client as http_client
 from streamer.backends.http import endpoint as http_endpoint
 from streamer.backends.http.endpoint import Proxy, ProxyError, Target, UnsupportedProxy
 from streamer.backends.http.storage import index_set
 from streamer.backends.s3.uri import S3Uri
+from streamer.host.collector import CollectorHold
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -886,3 +888,93 @@ def test_retry_after_is_read_as_seconds_or_an_http_date_and_only_on_throttling()
     assert retry_after(HttpFailure(503, None, {})) is None
     assert retry_after(HttpFailure(500, None, {"Retry-After": "7"})) is None  # not a throttle
     assert retry_after(OSError("reset")) is None
+
+
+# --- garbage collection while a load starts -----------------------------------------------------
+
+
+class _RecordedHold(CollectorHold):
+    made: ClassVar[list[CollectorHold]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        _RecordedHold.made.append(self)
+
+
+@pytest.fixture
+def recorded_holds(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CollectorHold]]:
+    """The collector holds made meanwhile, with automatic collection on to begin with."""
+    monkeypatch.setattr(http_client, "CollectorHold", _RecordedHold)
+    _RecordedHold.made = []
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        yield _RecordedHold.made
+    finally:
+        if not was:
+            gc.disable()
+
+
+def test_collection_is_held_off_from_the_open_to_the_first_block_only(
+    s3_server: str, single: Written, recorded_holds: list[CollectorHold]
+) -> None:
+    seen: list[bool] = []
+    with streamer.open(f"s3://{BUCKET}/single/", config=cfg(s3_server)) as handle:
+        seen.append(gc.isenabled())  # opened: held until the run's first block lands
+        got = handle.load_all()
+        seen.append(gc.isenabled())
+    assert_same_dict(got, reference_load(single.shards))
+    assert seen == [False, True]
+    assert len(recorded_holds) == 1 and not recorded_holds[0].held
+
+
+def test_a_handle_opened_and_not_read_holds_collection_off_for_a_bounded_time(
+    s3_server: str, single: Written, recorded_holds: list[CollectorHold], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http_client, "COLLECTOR_HOLD_SECONDS", 0.2)
+    with streamer.open(f"s3://{BUCKET}/single/", config=cfg(s3_server)):
+        deadline = time.monotonic() + 10.0
+        while not gc.isenabled() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gc.isenabled()
+
+
+def test_failed_opens_and_loads_leave_collection_on(
+    proxy: FaultProxy, single: Written, recorded_holds: list[CollectorHold]
+) -> None:
+    proxy.inject("403", times=None, match=any_get)
+    with pytest.raises(S3SourceError):
+        streamer.open(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(proxy.endpoint_url))
+    assert gc.isenabled()
+    proxy.inject("403", times=None)  # the data GETs too, once the header read has passed
+    with pytest.raises(S3Error):
+        streamer.load(f"s3://{BUCKET}/single/{single.shards[0].name}", config=cfg(proxy.endpoint_url))
+    assert gc.isenabled()
+    assert len(recorded_holds) == 2 and not any(hold.held for hold in recorded_holds)
+
+
+def test_a_collector_the_application_turned_off_stays_off_after_a_load(
+    s3_server: str, single: Written, recorded_holds: list[CollectorHold]
+) -> None:
+    gc.disable()
+    streamer.load(f"s3://{BUCKET}/single/", config=cfg(s3_server))
+    assert not gc.isenabled()
+
+
+def test_the_proxy_is_looked_up_once_per_endpoint(
+    s3_server: str, single: Written, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looked_up: list[str] = []
+    lookup = Proxy.for_target
+
+    def counted(target: Target) -> Proxy | None:
+        looked_up.append(target.netloc)
+        return lookup(target)
+
+    monkeypatch.setattr(Proxy, "for_target", staticmethod(counted))
+    config = cfg(s3_server, block_size=16 * KiB)  # 12 tensors of ~32 KiB: dozens of GETs, 2 workers
+    with streamer.open(f"s3://{BUCKET}/single/", config=config) as handle:
+        got = handle.load_all()
+        assert handle.metrics["requests"] > 8
+    assert_same_dict(got, reference_load(single.shards))
+    assert looked_up == [s3_server.removeprefix("http://")]

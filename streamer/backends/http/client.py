@@ -33,11 +33,12 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from streamer.backends.http.connection import Connection, ssl_context
-from streamer.backends.http.endpoint import Target
+from streamer.backends.http.endpoint import Proxy, Target
 from streamer.backends.http.objects import ObjectUri, StoredObject
 from streamer.backends.http.response import HttpFailure
 from streamer.backends.http.timing import LowSpeed, TooSlow, bounded
 from streamer.errors import ObjectSourceError, ObjectStoreError
+from streamer.host.collector import CollectorHold
 
 T = TypeVar("T")
 
@@ -48,6 +49,7 @@ THROTTLE_CODES = frozenset(
      "RequestThrottled", "ServerBusy", "rateLimitExceeded", "userRateLimitExceeded"}
 )  # fmt: skip
 COUNTERS = ("requests", "retries", "bytes_fetched", "throttles", "checked_objects")
+COLLECTOR_HOLD_SECONDS = 2.0  # the longest an open holds garbage collection off (hold_collector)
 
 
 class Retry(Exception):
@@ -150,6 +152,8 @@ class ObjectStoreClient(abc.ABC):
         self.throttles = 0  # retries of a try the store refused as throttled
         self.checked_objects = 0  # objects read whole whose store checksum matched (GCS's CRC32C)
         self._idle: list[Connection] = []  # the control plane's keep-alive connections
+        self._proxies: dict[tuple[str, str], Proxy | None] = {}  # (scheme, netloc) -> its proxy
+        self._collector_hold: CollectorHold | None = None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=f"streamer-{store}", daemon=True)
         self._thread.start()
@@ -162,8 +166,24 @@ class ObjectStoreClient(abc.ABC):
         """Runs ``coroutine`` on the loop and waits for its result (from any other thread)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
+    def hold_collector(self) -> None:
+        """Holds automatic garbage collection off (``streamer.host.collector``) until this client's
+        next run has a block landed (``release_collector``), ``COLLECTOR_HOLD_SECONDS`` at most."""
+        hold = CollectorHold()
+        previous, self._collector_hold = self._collector_hold, hold
+        if previous is not None:
+            previous.release()
+        self.loop.call_soon_threadsafe(self.loop.call_later, COLLECTOR_HOLD_SECONDS, hold.release)
+
+    def release_collector(self) -> None:
+        """Ends the hold of ``hold_collector``, if any (from any thread)."""
+        hold, self._collector_hold = self._collector_hold, None
+        if hold is not None:
+            hold.release()
+
     def close(self) -> None:
         """Cancels running requests, closes the store's own resources, stops the thread. Idempotent."""
+        self.release_collector()
         if self.loop.is_closed():
             return
         if self._thread.is_alive():
@@ -375,7 +395,15 @@ class ObjectStoreClient(abc.ABC):
     def connection(self) -> Connection:
         """A connection for ``fetch_into`` (one per worker; the caller closes it)."""
         c = self.settings
-        return Connection(lambda: self._ssl_context, c.connect_timeout, c.read_timeout)
+        return Connection(lambda: self._ssl_context, self.proxy_for, c.connect_timeout, c.read_timeout)
+
+    def proxy_for(self, target: Target) -> Proxy | None:
+        """The proxy the environment names for ``target``'s endpoint, looked up once per client:
+        a lookup reads the whole environment (~0.25 ms), and a run opens a connection per worker."""
+        key = (target.scheme, target.netloc)
+        if key not in self._proxies:
+            self._proxies[key] = Proxy.for_target(target)
+        return self._proxies[key]
 
     @functools.cached_property
     def _ssl_context(self) -> ssl.SSLContext:

@@ -16,9 +16,14 @@ class Connection:
     """A keep-alive HTTP/1.1 connection to one endpoint, reopened when it breaks."""
 
     def __init__(
-        self, ssl_context: Callable[[], ssl.SSLContext], connect_timeout: float, read_timeout: float
+        self,
+        ssl_context: Callable[[], ssl.SSLContext],
+        proxy_for: Callable[[Target], Proxy | None],
+        connect_timeout: float,
+        read_timeout: float,
     ) -> None:
         self._ssl = ssl_context
+        self._proxy_for = proxy_for
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._where: tuple[str, str, int] | None = None
@@ -121,7 +126,7 @@ class Connection:
             self.close()
             protocol = None
         if protocol is None:
-            proxy = Proxy.for_target(target)
+            proxy = self._proxy_for(target)
             protocol = await bounded(self._connect(target, proxy), self._connect_timeout, discard=_abort)
             self._protocol, self._where, self._proxy = protocol, where, proxy
         assert protocol is not None

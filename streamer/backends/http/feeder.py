@@ -106,6 +106,7 @@ class ObjectFeeder(ExternalFeed):
             finally:
                 view.release()
             self.credit(block)
+            self._client.release_collector()  # the first block landed: the run is under way
 
     def stats(self) -> dict[str, int]:
         client = self._client
@@ -114,6 +115,7 @@ class ObjectFeeder(ExternalFeed):
 
     def close(self) -> None:
         """Cancels every worker and waits until they are gone. Idempotent."""
+        self._client.release_collector()
         if not self._closed:
             self._closed = True
             self._client.call(self._stop())

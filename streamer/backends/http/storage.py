@@ -105,9 +105,16 @@ class ObjectStorage(base.Storage, Generic[ClientT]):
         """The store's object of that name, size and version (as a header read would see it)."""
 
     def open(self, source: SourceLike) -> base.Opened:
+        """Reads the fronts of the source's objects; garbage collection is held off from here until
+        the first run has a block landed (``ObjectStoreClient.hold_collector``)."""
         client = self._holder.get()
-        uris = [client.uri_type.parse(text) for text in source_texts(source)]
-        return client.call(_open(client, uris, single=len(uris) == 1))
+        client.hold_collector()
+        try:
+            uris = [client.uri_type.parse(text) for text in source_texts(source)]
+            return client.call(_open(client, uris, single=len(uris) == 1))
+        except BaseException:
+            client.release_collector()
+            raise
 
     def read_ranges(self, ranges: Sequence[base.Range]) -> list[bytes]:
         if not ranges:
