@@ -4,6 +4,7 @@ and threads, and never leaving the collector other than it found it."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 
@@ -70,4 +71,24 @@ def test_holds_from_many_threads_end_with_collection_on() -> None:
         thread.start()
     for thread in threads:
         thread.join()
+    assert gc.isenabled()
+
+
+def test_a_child_forked_during_a_hold_collects_and_ignores_the_parent_s_hold() -> None:
+    hold = CollectorHold()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 only if its collector is on and stays on
+            ok = gc.isenabled()
+            hold.release()
+            ok = ok and gc.isenabled()
+            again = CollectorHold()
+            ok = ok and not gc.isenabled()
+            again.release()
+            os._exit(0 if ok and gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not gc.isenabled()  # the parent's hold is its own
+    finally:
+        hold.release()
     assert gc.isenabled()
