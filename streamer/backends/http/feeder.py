@@ -106,7 +106,7 @@ class ObjectFeeder(ExternalFeed):
             finally:
                 view.release()
             self.credit(block)
-            self._client.release_collector()  # the first block landed: the run is under way
+            self._client.release_collector()  # a block landed: the run is under way (then a no-op)
 
     def stats(self) -> dict[str, int]:
         client = self._client
