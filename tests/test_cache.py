@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import gc
 import json
 import os
 import signal
@@ -153,6 +154,25 @@ def test_miss_then_hit_bit_exact_with_no_data_get(s3_server: str, model: Written
         time.sleep(0.05)
     assert thread_count() <= threads and fd_count() <= fds  # fewer: a moto thread of the warm-up ended
     assert not [t for t in threading.enumerate() if t.name.startswith("streamer-cache")]
+
+
+def test_loads_through_the_cache_leave_garbage_collection_on(
+    s3_server: str, model: Written, tmp_path: Path
+) -> None:
+    """The cache's runs read chunks on threads of their own and no feed of theirs ends a hold: its
+    opens, fresh or noted (and confirmed on a thread), never hold collection off."""
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        for _ in range(2):  # a fresh open, then a noted one
+            with streamer.open(prefix(s3_server), config=cfg(s3_server, tmp_path)) as handle:
+                assert gc.isenabled()
+                got = dict(iter(handle))
+                assert gc.isenabled()
+            assert_same_dict(got, reference_load(model.shards))
+    finally:
+        if not was:
+            gc.disable()
 
 
 def test_partial_hits_some_files_some_chunks(s3_server: str, model: Written, tmp_path: Path) -> None:

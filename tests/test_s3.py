@@ -915,16 +915,24 @@ def recorded_holds(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[CollectorHo
             gc.disable()
 
 
-def test_collection_is_held_off_from_the_open_to_the_first_block_only(
+def test_collection_is_held_off_from_the_open_until_the_run_ends(
     s3_server: str, single: Written, recorded_holds: list[CollectorHold]
 ) -> None:
     seen: list[bool] = []
-    with streamer.open(f"s3://{BUCKET}/single/", config=cfg(s3_server)) as handle:
-        seen.append(gc.isenabled())  # opened: held until the run's first block lands
-        got = handle.load_all()
+    streamed = {}
+    config = cfg(s3_server, block_size=16 * KiB)  # dozens of GETs: the first tensor comes early
+    with streamer.open(f"s3://{BUCKET}/single/", config=config) as handle:
+        seen.append(gc.isenabled())  # opened
+        for name, tensor in handle:
+            if not streamed:
+                seen.append(gc.isenabled())  # a block has landed, the run goes on
+            streamed[name] = tensor.clone()
+        seen.append(gc.isenabled())  # the run ended
+        again = handle.load_all()  # a later run of the handle: the open's hold is over
         seen.append(gc.isenabled())
-    assert_same_dict(got, reference_load(single.shards))
-    assert seen == [False, True]
+    assert_same_dict(streamed, reference_load(single.shards))
+    assert_same_dict(again, streamed)
+    assert seen == [False, False, True, True]
     assert len(recorded_holds) == 1 and not recorded_holds[0].held
 
 

@@ -3,10 +3,11 @@
 Why: a process that has just imported torch owes a full collection (~170,000 objects, ~0.1 s on
 our VMs), and the next few thousand objects any code creates set it off. An object store's bytes
 are all received by one event loop thread that needs the GIL (``Delivery.ONE_RECEIVER``): a full
-collection that lands while a run's first GETs are being signed and sent holds every one of them
-back by as long. Held off until the run's first block has landed, it runs while the GETs are in
-flight, their bytes waiting in socket buffers (1 GiB from the shaped S3 endpoint: see
-``benchmarks/README.md``).
+collection that lands while a run's GETs are being signed, sent or received holds every one of
+them back by as long, and a connection whose socket buffer fills meanwhile stops its sender. Held
+off until the run ends, it runs once the load has returned (1 GiB from the shaped S3 endpoint: see
+``benchmarks/README.md``). A load makes little cyclic garbage to hold back meanwhile (~500
+objects per GiB).
 
 The collector is the process's: holds are counted across threads. The first hold turns automatic
 collection off if it was on; the last release turns it back on (even if the application turned it

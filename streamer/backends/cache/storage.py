@@ -77,14 +77,22 @@ class CachedObjectStorage(Storage):
         noted = self._notes.read(of)
         if noted is None:
             self._confirmation = None
-            opened = self._inner.open(source)
+            opened = self._open_inner(source)
             self._notes.write(of, opened)
             return opened
         self._confirmation = _Confirmation(
-            noted, lambda: self._inner.open(source), lambda fresh: self._notes.write(of, fresh)
+            noted, lambda: self._open_inner(source), lambda fresh: self._notes.write(of, fresh)
         )
         self._confirmations.append(self._confirmation)
         return noted
+
+    def _open_inner(self, source: SourceLike) -> Opened:
+        """The store's open, its hold on garbage collection ended at once: this storage's runs read
+        chunks on threads of their own, and no feed of theirs would end it."""
+        try:
+            return self._inner.open(source)
+        finally:
+            self._inner.release_collector()
 
     def confirm_open(self) -> Opened | None:
         confirmation = self._confirmation

@@ -49,7 +49,7 @@ THROTTLE_CODES = frozenset(
      "RequestThrottled", "ServerBusy", "rateLimitExceeded", "userRateLimitExceeded"}
 )  # fmt: skip
 COUNTERS = ("requests", "retries", "bytes_fetched", "throttles", "checked_objects")
-COLLECTOR_HOLD_SECONDS = 2.0  # the longest an open holds garbage collection off (hold_collector)
+COLLECTOR_HOLD_SECONDS = 10.0  # the longest an open holds garbage collection off (hold_collector)
 
 
 class Retry(Exception):
@@ -168,7 +168,7 @@ class ObjectStoreClient(abc.ABC):
 
     def hold_collector(self) -> None:
         """Holds automatic garbage collection off (``streamer.host.collector``) until this client's
-        next run has a block landed (``release_collector``), ``COLLECTOR_HOLD_SECONDS`` at most."""
+        next run ends (``release_collector``), ``COLLECTOR_HOLD_SECONDS`` at most."""
         hold = CollectorHold()
         previous, self._collector_hold = self._collector_hold, hold
         if previous is not None:

@@ -106,7 +106,6 @@ class ObjectFeeder(ExternalFeed):
             finally:
                 view.release()
             self.credit(block)
-            self._client.release_collector()  # a block landed: the run is under way (then a no-op)
 
     def stats(self) -> dict[str, int]:
         client = self._client
@@ -114,7 +113,8 @@ class ObjectFeeder(ExternalFeed):
         return {f"{client.store}_files": len(self._objects), **{key: now - then for key, now, then in grown}}
 
     def close(self) -> None:
-        """Cancels every worker and waits until they are gone. Idempotent."""
+        """Cancels every worker and waits until they are gone; the run is over, so it ends the
+        open's hold on garbage collection. Idempotent."""
         self._client.release_collector()
         if not self._closed:
             self._closed = True

@@ -71,6 +71,13 @@ class ClientHolder(Generic[ClientT]):
                 self._client = self._make()
             return self._client
 
+    def release_collector(self) -> None:
+        """Ends the client's hold on garbage collection, if a client was made."""
+        with self._lock:
+            client = self._client
+        if client is not None:
+            client.release_collector()
+
     def close(self) -> None:
         with self._lock:
             client, self._client = self._client, None
@@ -106,7 +113,7 @@ class ObjectStorage(base.Storage, Generic[ClientT]):
 
     def open(self, source: SourceLike) -> base.Opened:
         """Reads the fronts of the source's objects; garbage collection is held off from here until
-        the first run has a block landed (``ObjectStoreClient.hold_collector``)."""
+        the next run's feed closes (``ObjectStoreClient.hold_collector``)."""
         client = self._holder.get()
         client.hold_collector()
         try:
@@ -115,6 +122,11 @@ class ObjectStorage(base.Storage, Generic[ClientT]):
         except BaseException:
             client.release_collector()
             raise
+
+    def release_collector(self) -> None:
+        """Ends the last open's hold on garbage collection now (a storage that wraps this one and
+        whose runs do not close this storage's feeds: the cache)."""
+        self._holder.release_collector()
 
     def read_ranges(self, ranges: Sequence[base.Range]) -> list[bytes]:
         if not ranges:
