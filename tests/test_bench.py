@@ -100,6 +100,7 @@ def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
             assert run["minor_faults"] > 0 and run["cpu_seconds"] > 0  # loading fresh memory faults
             assert run["seconds"] == run["load_seconds"]  # the default clock
             assert run["process_seconds"] > run["load_seconds"]  # interpreter and imports on top
+            assert run["machine_busy_cores"] >= 0 and run["machine_stolen_cores"] >= 0
         compared = {c["loader"]: c for c in section["comparisons"]}
         assert set(compared) == {"safetensors", "runai"}
         assert all(c["verdict"] == "too few rounds" and c["rounds"] == 1 for c in compared.values())

@@ -91,6 +91,33 @@ def test_section_compares_streamer_with_each_peer_at_its_best() -> None:
     assert ours["faults_per_gib"] == pytest.approx(2000) and ours["cpu_s"] == 0.5
 
 
+def test_the_machines_cpus_while_streamer_loaded_are_reported_and_say_when_they_bound_it() -> None:
+    """A load's own CPU seconds miss the cores a local S3 server takes: the whole machine's busy
+    cores (medians over streamer's runs) say whether the CPUs, not the store, bound the run."""
+
+    def with_machine(config: Config, busy: list[float], stolen: float) -> Config:
+        for run, cores in zip(config.runs, busy, strict=True):
+            run.machine_busy_cores, run.machine_stolen_cores, run.load_seconds = cores, stolen, run.seconds
+        return config
+
+    configs = [
+        with_machine(_config("streamer", (), [1.0] * 5, [1.2] * 5), [1.9, 1.95, 1.85, 2.0, 1.9], 0.02),
+        _config("runai", (), [2.0] * 5),  # no machine figures (an older child): no effect
+    ]
+    section = report.section("remote", configs, [])
+    ours = section["results"][0]
+    assert ours["machine_busy_cores"] == pytest.approx(1.9) and ours["load_cores"] == pytest.approx(1.2)
+    assert section["results"][1]["machine_busy_cores"] is None
+    line = report._cores_line(section, 2)
+    assert line == (
+        "-- remote: the machine's CPUs while streamer loaded: 1.90 of 2 busy (1.20 of them the "
+        "load's own), 0.02 taken by the hypervisor (medians); the CPUs bound the run"
+    )
+    roomy = report._cores_line(section, 4)  # 1.9 of 4 cores: room to grow
+    assert roomy is not None and "bound" not in roomy
+    assert report._cores_line(report.section("remote", configs[1:], []), 2) is None
+
+
 def test_cpu_seconds_are_paired_beside_the_wall_time() -> None:
     """Where both clocks are bound by the disk, the CPU verdict still tells the loaders apart."""
     walls = [1.0, 1.1, 0.9, 1.05, 0.95, 1.0]

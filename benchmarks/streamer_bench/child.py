@@ -310,6 +310,31 @@ def _since_process_start() -> float:
         return float(uptime.read().split()[0]) - started
 
 
+def machine_cpu_ticks() -> tuple[int, int] | None:
+    """The whole machine's CPU time so far, every process and the kernel (``/proc/stat``, in clock
+    ticks): busy (user, nice, system, irq, softirq) and stolen by the hypervisor. None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq, steal
+
+
+def machine_cores(
+    before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float
+) -> tuple[float, float] | None:
+    """Cores the machine kept busy, and cores the hypervisor took, on average over ``seconds``: what
+    a load's own CPU seconds cannot show (a local S3 server's share of the same cores)."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") * seconds
+    return (after[0] - before[0]) / ticks, (after[1] - before[1]) / ticks
+
+
 def _peak_rss() -> int:
     """This process's own high-water mark of resident memory (``VmHWM``): ``ru_maxrss`` carries the
     parent's across fork and exec, so every child reported the bench's own (~430 MiB)."""
@@ -349,11 +374,13 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
     reach_seconds = time.perf_counter() - reaching
     rss_before = _peak_rss()
     usage_before = resource.getrusage(resource.RUSAGE_SELF)  # every thread of the process
+    machine_before = machine_cpu_ticks()
     start = time.perf_counter()
     loaded = prepared()
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
+    machine = machine_cores(machine_before, machine_cpu_ticks(), seconds)
     process_seconds = _since_process_start() - reach_seconds - settle_seconds
     usage = resource.getrusage(resource.RUSAGE_SELF)
     nbytes, count = _tensor_bytes(loaded.tensors)
@@ -366,6 +393,8 @@ def time_load(request: dict[str, Any]) -> dict[str, Any]:
         "rss_before_bytes": rss_before,
         "minor_faults": usage.ru_minflt - usage_before.ru_minflt,
         "cpu_seconds": usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime,
+        "machine_busy_cores": machine[0] if machine else None,
+        "machine_stolen_cores": machine[1] if machine else None,
         "resident_at_start_bytes": resident,
         "metrics": loaded.metrics,
         "notes": loaded.notes,

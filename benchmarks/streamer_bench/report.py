@@ -39,6 +39,9 @@ def summarize(config: Config) -> dict[str, Any]:
     rss = [r.peak_rss_bytes for r in valid if r.peak_rss_bytes is not None]
     faults = [r.minor_faults for r in valid if r.minor_faults is not None]
     cpu = [r.cpu_seconds for r in valid if r.cpu_seconds is not None]
+    busy = [r.machine_busy_cores for r in valid if r.machine_busy_cores is not None]
+    own = [r.cpu_seconds / r.load_seconds for r in valid if r.cpu_seconds is not None and r.load_seconds]
+    stolen = [r.machine_stolen_cores for r in valid if r.machine_stolen_cores is not None]
     median_faults = statistics.median(faults) if faults else None
     return {
         "loader": config.setting.loader,
@@ -57,6 +60,9 @@ def summarize(config: Config) -> dict[str, Any]:
         "minor_faults": median_faults,
         "faults_per_gib": median_faults / (nbytes / GIB) if median_faults is not None and nbytes else None,
         "cpu_s": statistics.median(cpu) if cpu else None,
+        "load_cores": statistics.median(own) if own else None,
+        "machine_busy_cores": statistics.median(busy) if busy else None,
+        "machine_stolen_cores": statistics.median(stolen) if stolen else None,
         "pruned": config.pruned,
         "retired": config.retired,
         "runs": [_run_json(r) for r in config.runs],
@@ -299,6 +305,35 @@ def _binding_line(cache: str, bound: dict[str, Any]) -> str:
     )
 
 
+# Busy this much of every core on average, the machine had no CPU left for the load to grow into.
+_CPU_BOUND_SHARE = 0.9
+
+
+def _cores_line(section: dict[str, Any], cpu_count: int | None) -> str | None:
+    """What the machine's CPUs did while streamer's reference setting loaded (medians over its
+    runs): busy in all, the load's own share, taken by the hypervisor; and whether they bound it."""
+    reference = section["reference"]
+    rows = [
+        r
+        for r in section["results"]
+        if reference and r["loader"] == "streamer" and r["setting"] == reference["setting"]
+    ]
+    row = rows[0] if rows else None
+    if row is None or row.get("machine_busy_cores") is None or not cpu_count:
+        return None
+    busy, own, stolen = (
+        row["machine_busy_cores"],
+        row.get("load_cores"),
+        row.get("machine_stolen_cores") or 0.0,
+    )
+    mine = f" ({own:.2f} of them the load's own)" if own is not None else ""
+    bound = "; the CPUs bound the run" if busy + stolen >= _CPU_BOUND_SHARE * cpu_count else ""
+    return (
+        f"-- {section['cache']}: the machine's CPUs while streamer loaded: {busy:.2f} of {cpu_count} "
+        f"busy{mine}, {stolen:.2f} taken by the hypervisor (medians){bound}"
+    )
+
+
 def _ceiling_line(c: dict[str, Any]) -> str:
     value = f"{c['gbps']:.2f} GB/s" if c["gbps"] is not None else f"unavailable ({c['error']})"
     cache = f" ({c['cache']})" if c["cache"] else ""
@@ -366,6 +401,9 @@ def render(document: dict[str, Any]) -> str:
         bound = _binding_ceiling(sec, document["memory_ceilings"])
         if bound is not None:
             out.append(_binding_line(sec["cache"], bound))
+        cores = _cores_line(sec, document["machine"].get("cpu_count"))
+        if cores is not None:
+            out.append(cores)
         for r in sec["results"]:
             for why in (r.get("pruned"), r.get("retired")):
                 if why:

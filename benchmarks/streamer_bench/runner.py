@@ -176,6 +176,8 @@ class Run:
     error: str | None = None
     minor_faults: int | None = None  # page faults inside the clock: first touch of fresh memory
     cpu_seconds: float | None = None  # user + system CPU inside the clock, every thread
+    machine_busy_cores: float | None = None  # the whole machine's busy cores inside the load clock
+    machine_stolen_cores: float | None = None  # cores the hypervisor took meanwhile
     load_seconds: float | None = None  # the load clock: from calling the loader to the tensors
     process_seconds: float | None = None  # the process clock: from the child's start, imports included
 
@@ -411,6 +413,8 @@ def run_section(
                     result["notes"],
                     minor_faults=result["minor_faults"],
                     cpu_seconds=result["cpu_seconds"],
+                    machine_busy_cores=result.get("machine_busy_cores"),
+                    machine_stolen_cores=result.get("machine_stolen_cores"),
                     load_seconds=result["seconds"],
                     process_seconds=result["process_seconds"],
                 )
