@@ -101,13 +101,18 @@ def test_the_machines_cpus_while_streamer_loaded_are_reported_and_say_when_they_
         return config
 
     configs = [
-        with_machine(_config("streamer", (), [1.0] * 5, [1.2] * 5), [1.9, 1.95, 1.85, 2.0, 1.9], 0.02),
+        # one run's own CPU counted above the machine's busy ticks: never more than the machine
+        with_machine(
+            _config("streamer", (), [1.0] * 5, [1.2] * 4 + [2.1]), [1.9, 1.95, 1.85, 2.0, 1.9], 0.02
+        ),
         _config("runai", (), [2.0] * 5),  # no machine figures (an older child): no effect
     ]
     section = report.section("remote", configs, [])
     ours = section["results"][0]
     assert ours["machine_busy_cores"] == pytest.approx(1.9) and ours["load_cores"] == pytest.approx(1.2)
     assert section["results"][1]["machine_busy_cores"] is None
+    over = report.summarize(with_machine(_config("streamer", (), [1.0], [2.1]), [1.9], 0.0))
+    assert over["load_cores"] == pytest.approx(1.9)  # its own CPU counted above the machine's ticks
     line = report._cores_line(section, 2)
     assert line == (
         "-- remote: the machine's CPUs while streamer loaded: 1.90 of 2 busy (1.20 of them the "

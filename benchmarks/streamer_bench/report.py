@@ -7,6 +7,7 @@ direction as the paired verdicts (peer's time over streamer's, per round).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -40,7 +41,12 @@ def summarize(config: Config) -> dict[str, Any]:
     faults = [r.minor_faults for r in valid if r.minor_faults is not None]
     cpu = [r.cpu_seconds for r in valid if r.cpu_seconds is not None]
     busy = [r.machine_busy_cores for r in valid if r.machine_busy_cores is not None]
-    own = [r.cpu_seconds / r.load_seconds for r in valid if r.cpu_seconds is not None and r.load_seconds]
+    # The load's own cores, within the machine's: the two are counted apart (rusage, /proc/stat ticks).
+    own = [
+        min(r.cpu_seconds / r.load_seconds, r.machine_busy_cores or math.inf)
+        for r in valid
+        if r.cpu_seconds is not None and r.load_seconds
+    ]
     stolen = [r.machine_stolen_cores for r in valid if r.machine_stolen_cores is not None]
     median_faults = statistics.median(faults) if faults else None
     return {
