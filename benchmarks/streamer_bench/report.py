@@ -287,14 +287,19 @@ def _binding_ceiling(section: dict[str, Any], memory: Sequence[dict[str, Any]]) 
     }
 
 
-def _reference_gbps(section: dict[str, Any]) -> float | None:
+def _reference_row(section: dict[str, Any]) -> dict[str, Any] | None:
+    """The result of streamer's reference setting in this state, if it ran."""
     reference = section["reference"]
     if reference is None:
         return None
     rows = (
         r for r in section["results"] if r["loader"] == "streamer" and r["setting"] == reference["setting"]
     )
-    row = next(rows, None)
+    return next(rows, None)
+
+
+def _reference_gbps(section: dict[str, Any]) -> float | None:
+    row = _reference_row(section)
     gbps: float | None = row.get("gbps") if row is not None else None
     return gbps
 
@@ -318,13 +323,7 @@ _CPU_BOUND_SHARE = 0.9
 def _cores_line(section: dict[str, Any], cpu_count: int | None) -> str | None:
     """What the machine's CPUs did while streamer's reference setting loaded (medians over its
     runs): busy in all, the load's own share, taken by the hypervisor; and whether they bound it."""
-    reference = section["reference"]
-    rows = [
-        r
-        for r in section["results"]
-        if reference and r["loader"] == "streamer" and r["setting"] == reference["setting"]
-    ]
-    row = rows[0] if rows else None
+    row = _reference_row(section)
     if row is None or row.get("machine_busy_cores") is None or not cpu_count:
         return None
     busy, own, stolen = (
