@@ -709,17 +709,34 @@ def test_a_budget_too_small_still_runs_the_minimum_rounds(
 
 
 def test_the_budget_of_a_state_keeps_the_later_states_minimum_rounds() -> None:
-    """Cold (5 settings with into=touched) keeps warm's 5 rounds of 4 settings and two ceilings."""
+    """Warm, run first, keeps cold's 5 rounds of 5 settings (into=touched is cold only), each run
+    weighted as cold, and cold's fio runs: 2 modes x 3 reader counts x 2, and 5 before its rounds,
+    then the memory ceilings. Cold, run last, keeps only the memory ceilings."""
     args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "300"])
     sync_buffered = Setting("runai", (("strategy", "sync_buffered"),))
     settings = [Setting("streamer"), INTO_SETTING, Setting("safetensors"), Setting("runai"), sync_buffered]
     planned = [(setting, ["a"]) for setting in settings]
-    cold = cli.time_budget(args, 100.0, planned, ["warm"])
-    assert cold is not None and cold.end == 400.0 and cold.later_runs == 5 * 4
-    assert cold.later_seconds == 2 * cli.CEILING_RESERVE_SECONDS  # warm's storage ceilings, then memory's
-    warm = cli.time_budget(args, 100.0, planned, [])
-    assert warm is not None and warm.later_runs == 0 and warm.later_seconds == cli.CEILING_RESERVE_SECONDS
-    assert cli.time_budget(arguments.parse_args(["--time-budget", "none"]), 0.0, planned, ["warm"]) is None
+    warm = cli.time_budget(args, 100.0, planned, ["cold"])
+    assert warm is not None and warm.end == 400.0
+    assert warm.later_runs == pytest.approx(5 * 5 * cli.RUN_WEIGHT["cold"])
+    assert cli.ceiling_runs(args, "cold") == 2 * 3 * args.ceiling_repeat + 5
+    assert warm.later_seconds == pytest.approx(
+        cli.ceiling_runs(args, "cold") * cli.FIO_RUN_SECONDS + cli.MEMORY_CEILINGS_SECONDS
+    )
+    cold = cli.time_budget(args, 100.0, planned, [])
+    assert cold is not None and cold.later_runs == 0 and cold.later_seconds == cli.MEMORY_CEILINGS_SECONDS
+    assert cli.time_budget(arguments.parse_args(["--time-budget", "none"]), 0.0, planned, ["cold"]) is None
+
+
+def test_the_budget_of_the_10_36_main_job_would_have_ended_warm_in_time() -> None:
+    """The main job that ran 6:17: warm at 4.07 s a run (4 settings), cold then took 150 s with its
+    ceilings and the memory ceilings. The budget now keeps at least that for cold."""
+    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "267"])
+    sync_buffered = Setting("runai", (("strategy", "sync_buffered"),))
+    settings = [Setting("streamer"), INTO_SETTING, Setting("safetensors"), Setting("runai"), sync_buffered]
+    warm = cli.time_budget(args, 0.0, [(setting, ["a"]) for setting in settings], ["cold"])
+    assert warm is not None
+    assert warm.later_runs * 4.07 + warm.later_seconds >= 145.0
 
 
 @pytest.mark.parametrize(("budget", "ran"), [("300", ["warm", "cold"]), ("none", ["cold", "warm"])])
@@ -749,7 +766,7 @@ def test_under_a_time_budget_warm_runs_first_and_cold_takes_the_time_left(
     if budget == "none":
         assert cold is None
     else:
-        assert cold is not None and cold.later_runs == 0 and cold.later_seconds == cli.CEILING_RESERVE_SECONDS
+        assert cold is not None and cold.later_runs == 0 and cold.later_seconds == cli.MEMORY_CEILINGS_SECONDS
 
 
 def test_cold_loads_are_divided_by_the_ceiling_of_their_own_round(

@@ -227,20 +227,43 @@ def state_runs(
     return [(setting, files) for setting, files in planned if setting != INTO_SETTING or wanted]
 
 
-# What --time-budget keeps for each later state's storage ceilings and for the memory ceilings at
-# the end: each took 4-7 s with a 1 GiB checkpoint on the 2-core VM.
-CEILING_RESERVE_SECONDS = 10.0
+# What --time-budget keeps back for what follows the state in progress, from the main job's log
+# (1 GiB checkpoint, 2-core VM; a run there takes ~4.1 s warm): one fio run of a storage ceiling,
+# its cache state reset included, ~1.5 s; the memory ceilings at the end ~10 s; a cold run ~1.15x
+# a warm one (it waits on the disk), while the budget's mean per run is the state in progress'.
+# With a flat 10 s a state and cold's runs at warm's cost, warm took rounds cold then needed: the
+# job of 11-29 10:36 ran 6:17.
+FIO_RUN_SECONDS = 1.5
+MEMORY_CEILINGS_SECONDS = 10.0
+RUN_WEIGHT = {"cold": 1.15}
+
+
+def ceiling_runs(args: argparse.Namespace, state: str) -> int:
+    """The fio runs a state's storage ceilings take: every reader count of every mode, each
+    ``--ceiling-repeat`` times, and for cold one more before each of its minimum rounds."""
+    if not args.ceilings or state == "remote":
+        return 0
+    per_mode = len(ceilings.JOB_COUNTS) * int(args.ceiling_repeat)
+    return 2 * per_mode + int(args.min_rounds) if state == "cold" else per_mode
 
 
 def time_budget(
     args: argparse.Namespace, start: float, planned: list[tuple[Setting, list[str]]], later: list[str]
 ) -> runner.TimeBudget | None:
     """The budget a state runs under: --time-budget from the bench's ``start``, less the minimum
-    rounds of the ``later`` states and the ceilings still to measure."""
+    rounds of the ``later`` states (in runs of the state in progress) and the ceilings still to
+    measure."""
     if args.time_budget is None:
         return None
-    later_runs = sum(args.min_rounds * len(state_runs(args, planned, state)) for state in later)
-    reserve = CEILING_RESERVE_SECONDS * (len(later) + 1) if args.ceilings else 0.0
+    later_runs = sum(
+        args.min_rounds * len(state_runs(args, planned, state)) * RUN_WEIGHT.get(state, 1.0)
+        for state in later
+    )
+    reserve = (
+        sum(ceiling_runs(args, state) for state in later) * FIO_RUN_SECONDS + MEMORY_CEILINGS_SECONDS
+        if args.ceilings
+        else 0.0
+    )
     return runner.TimeBudget(start + args.time_budget, later_runs, reserve)
 
 

@@ -297,11 +297,12 @@ def round_order(configs: Sequence[T], round_index: int) -> list[T]:
 @dataclass(frozen=True)
 class TimeBudget:
     """When the bench should be done (``clock()`` seconds), and what the cache states after the
-    current one need at least: ``later_runs`` runs (their minimum rounds) and ``later_seconds``
-    (their ceilings). A state past its minimum rounds starts another only if it fits."""
+    current one need at least: ``later_runs`` runs (their minimum rounds, weighted by what one costs
+    against a run of the current state) and ``later_seconds`` (their ceilings). A state past its
+    minimum rounds starts another only if it fits."""
 
     end: float
-    later_runs: int = 0
+    later_runs: float = 0.0
     later_seconds: float = 0.0
     clock: Callable[[], float] = time.monotonic
 
