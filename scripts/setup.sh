@@ -32,6 +32,7 @@ library='.[test]' bench='./benchmarks[cloud,plot,prometheus]'
 # pip compiles what it installs to bytecode one file at a time (~30 s of a fresh install on 2 cores,
 # most of it torch and sympy); compileall does it on every core. Bytecode must exist before the
 # bench: its every run is a fresh process, and one with PYTHONDONTWRITEBYTECODE would compile again.
+# A dependency's module it cannot compile is left to compile on import, as pip leaves it.
 python -m pip install -q --no-compile -c constraints/ci.txt "$library" "$bench" 2>&1 | grep -v '^WARNING: Location' || true
 python -m compileall -qq -j 0 "$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 if [ "$bench_only" = 0 ]; then

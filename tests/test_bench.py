@@ -708,14 +708,19 @@ def test_a_budget_too_small_still_runs_the_minimum_rounds(
     assert [len(c.runs) for c in configs] == [runs, runs]
 
 
+def _main_job_settings() -> list[tuple[Setting, list[str]]]:
+    """The main job's settings: streamer, into=touched (cold only), safetensors, Run:ai's two."""
+    sync_buffered = Setting("runai", (("strategy", "sync_buffered"),))
+    settings = [Setting("streamer"), INTO_SETTING, Setting("safetensors"), Setting("runai"), sync_buffered]
+    return [(setting, ["a"]) for setting in settings]
+
+
 def test_the_budget_of_a_state_keeps_the_later_states_minimum_rounds() -> None:
     """Warm, run first, keeps cold's 5 rounds of 5 settings (into=touched is cold only), each run
     weighted as cold, and cold's fio runs: 2 modes x 3 reader counts x 2, and 5 before its rounds,
     then the memory ceilings. Cold, run last, keeps only the memory ceilings."""
     args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "300"])
-    sync_buffered = Setting("runai", (("strategy", "sync_buffered"),))
-    settings = [Setting("streamer"), INTO_SETTING, Setting("safetensors"), Setting("runai"), sync_buffered]
-    planned = [(setting, ["a"]) for setting in settings]
+    planned = _main_job_settings()
     warm = cli.time_budget(args, 100.0, planned, ["cold"])
     assert warm is not None and warm.end == 400.0
     assert warm.later_runs == pytest.approx(5 * 5 * cli.RUN_WEIGHT["cold"])
@@ -732,9 +737,7 @@ def test_the_budget_of_the_10_36_main_job_would_have_ended_warm_in_time() -> Non
     """The main job that ran 6:17: warm at 4.07 s a run (4 settings), cold then took 150 s with its
     ceilings and the memory ceilings. The budget now keeps at least that for cold."""
     args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "267"])
-    sync_buffered = Setting("runai", (("strategy", "sync_buffered"),))
-    settings = [Setting("streamer"), INTO_SETTING, Setting("safetensors"), Setting("runai"), sync_buffered]
-    warm = cli.time_budget(args, 0.0, [(setting, ["a"]) for setting in settings], ["cold"])
+    warm = cli.time_budget(args, 0.0, _main_job_settings(), ["cold"])
     assert warm is not None
     assert warm.later_runs * 4.07 + warm.later_seconds >= 145.0
 
