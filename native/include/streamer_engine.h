@@ -48,8 +48,11 @@ extern "C" {
 /* se_block.flags */
 #define SE_BLOCK_FILL 1 /* place the block's pages through the engine's page fill (se_engine_set_fill) */
 
-/* Bytes a page-fill block is read in at a time, through a buffer of each reader's own. */
+/* Bytes a page-fill block is read in at a time, through a buffer of each reader's own: a buffered
+ * file's chunk (a chunk the page cache holds is placed from the file's mapping), and an O_DIRECT
+ * file's, whose read the device serves best in large requests. */
 #define SE_FILL_CHUNK 1048576
+#define SE_FILL_DIRECT_CHUNK 8388608
 
 /*
  * A unit completes once `need` bytes of [begin, end) of its file have been credited: all of them
@@ -73,8 +76,9 @@ typedef struct se_unit {
  * of dst is left as it was. Blocks of an O_DIRECT file whose offset, length or
  * dst is off SE_DIRECT_ALIGNMENT are read buffered.
  *
- * A block flagged SE_BLOCK_FILL reads all of its range, SE_FILL_CHUNK bytes at a time, into a
- * buffer of the reader's own, and places each chunk's whole pages into dst with the page fill
+ * A block flagged SE_BLOCK_FILL reads all of its range, SE_FILL_CHUNK bytes at a time
+ * (SE_FILL_DIRECT_CHUNK for an O_DIRECT file), into a buffer of the reader's own on huge pages
+ * where the kernel has them, and places each chunk's whole pages into dst with the page fill
  * (see se_fill_open): its dst, read_offset and read_length must be multiples of
  * SE_DIRECT_ALIGNMENT, and a last page cut short by the end of the file is completed with zeros.
  * A chunk of a buffered file whose pages are all in the page cache is placed straight from a

@@ -145,16 +145,18 @@ static int place_from_cache(const se_file *file, int fill_fd, char *dst, uint64_
     return placed && fstat(file->buffered_fd, &now) == 0 && (uint64_t)now.st_size >= offset + length;
 }
 
-/* Reads a SE_BLOCK_FILL block chunk by chunk into bounce (SE_FILL_CHUNK bytes) and places each
+/* Reads a SE_BLOCK_FILL block chunk by chunk into bounce (SE_FILL_CHUNK bytes of a buffered fd,
+ * SE_FILL_DIRECT_CHUNK of an O_DIRECT one) and places each
  * chunk's whole pages through the page fill, a last page cut short by the end of the file completed
  * with zeros; a chunk the page cache holds goes straight from the file's mapping. Returns like
  * read_block; SE_ERR_FILL with *sys_errno if placing failed. */
 static int32_t fill_block(int fd, const se_file *file, int fill_fd, char *bounce, const se_block *b,
                           uint64_t *got, uint64_t *filled, uint64_t *mapped, int *sys_errno) {
     char *dst = (char *)b->dst;
+    uint64_t chunk = fd == file->buffered_fd ? SE_FILL_CHUNK : SE_FILL_DIRECT_CHUNK;
     uint64_t done = 0;
     while (done < b->read_length) {
-        uint64_t want = b->read_length - done < SE_FILL_CHUNK ? b->read_length - done : SE_FILL_CHUNK;
+        uint64_t want = b->read_length - done < chunk ? b->read_length - done : chunk;
         if (place_from_cache(file, fill_fd, dst + done, b->read_offset + done, want)) {
             *filled += want;
             *mapped += want;
@@ -212,10 +214,14 @@ static void trim_to_credited(se_block *b) {
     b->read_offset = b->acc_begin;
 }
 
-/* A worker's buffer for page-fill reads: aligned, so that O_DIRECT reads may land in it. */
+/* A worker's buffer for page-fill reads (SE_FILL_DIRECT_CHUNK bytes): aligned, so that O_DIRECT
+ * reads may land in it, and on huge pages. An O_DIRECT read goes to the device as one request per
+ * run of physically contiguous pages, up to the queue's limits: into scattered 4 KiB pages a
+ * virtio disk got ~0.5-0.8 MiB requests and read 8 MiB blocks at 0.6-0.8 GB/s, into huge pages
+ * 4 MiB requests at 2.7-2.9 GB/s (benchmarks/README.md). Reused for every block, it is faulted
+ * in once. */
 static char *new_bounce(void) {
-    void *memory = NULL;
-    return posix_memalign(&memory, SE_DIRECT_ALIGNMENT, SE_FILL_CHUNK) == 0 ? memory : NULL;
+    return se_alloc(SE_FILL_DIRECT_CHUNK, 1);
 }
 
 static void *worker_main(void *arg) {
@@ -269,7 +275,7 @@ static void *worker_main(void *arg) {
         }
     }
     pthread_mutex_unlock(&e->lock);
-    free(bounce);
+    se_free(bounce, SE_FILL_DIRECT_CHUNK, 1);
     return NULL;
 }
 

@@ -996,6 +996,48 @@ static int all_cached(int fd, uint64_t offset, uint64_t length) {
     return 1;
 }
 
+/* O_DIRECT page-fill blocks longer than SE_FILL_DIRECT_CHUNK are read a chunk at a time into the
+ * reader's huge-page buffer: every byte lands, across chunk and block edges, up to a last page cut
+ * short by the end of the file. */
+static void test_page_fill_of_o_direct_blocks_past_a_chunk(void) {
+    int32_t fill_fd = -1;
+    int32_t sys_errno = 0;
+    if (se_fill_open(&fill_fd, &sys_errno) != SE_OK) {
+        return; /* test_page_fill says why */
+    }
+    const uint64_t size = 2 * SE_FILL_DIRECT_CHUNK + MIB + 777;
+    const uint64_t mapped = (size + 4095) / 4096 * 4096;
+    const se_unit units[2] = {{0, 0, SE_FILL_DIRECT_CHUNK + 5, 0}, {0, SE_FILL_DIRECT_CHUNK + 5, size, 0}};
+    unsigned char *data = random_bytes(size, 29);
+    temp_file f;
+    temp_create(&f, data, size);
+    unsigned char *dst = se_alloc(mapped, 0);
+    CHECK(dst != NULL);
+    CHECK_EQ(se_fill_register(fill_fd, dst, mapped, &sys_errno), SE_OK);
+    se_block blocks[8];
+    size_t n = fill_blocks(units, 2, size, SE_FILL_DIRECT_CHUNK + 3 * MIB, dst, blocks);
+    se_engine *e = engine_new(2, units, 2);
+    CHECK_EQ(engine_add(e, f.path, 1, NULL), 0);
+    CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+    CHECK_EQ(se_engine_submit(e, blocks, n), SE_OK);
+    uint8_t seen[2] = {0, 0};
+    collect(e, seen, 2, 2, 2);
+    wait_blocks_done(e, n);
+    se_stats stats;
+    se_engine_stats(e, &stats);
+    CHECK_EQ(stats.bytes_filled, mapped);
+    se_engine_destroy(e);
+    CHECK_EQ(se_fill_unregister(fill_fd, dst, mapped, &sys_errno), SE_OK);
+    CHECK(memcmp(dst, data, size) == 0);
+    for (uint64_t i = size; i < mapped; i++) {
+        CHECK_EQ(dst[i], 0);
+    }
+    se_free(dst, mapped, 0);
+    temp_remove(&f);
+    se_fill_close(fill_fd);
+    free(data);
+}
+
 /* A file cut short after it was mapped: the pages its mapping still shows hold zeros past the new
  * end, and those past it cannot be copied. Either way the chunk is read, and the block is
  * truncated, never filled with zeros that the file no longer holds. */
@@ -1650,6 +1692,7 @@ int main(void) {
     RUN(test_memory_and_residency);
     RUN(test_populate_beside_writer);
     RUN(test_page_fill);
+    RUN(test_page_fill_of_o_direct_blocks_past_a_chunk);
     RUN(test_page_fill_of_a_file_cut_after_mapping);
     RUN(test_sampled_residency);
     RUN(test_ranged_residency);
