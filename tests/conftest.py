@@ -27,6 +27,8 @@ import safetensors.torch
 import torch
 
 from streamer.config import S3Config, StreamerConfig
+from streamer.engine import native
+from streamer.host.machine import transparent_hugepages
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -411,6 +413,18 @@ def takes_direct_io(directory: Path) -> bool:
     finally:
         probe.unlink()
     return True
+
+
+def _fill_works() -> bool:
+    fill, _ = native.PageFill.open()
+    if fill is None:
+        return False
+    fill.close()
+    return True
+
+
+needs_fill = pytest.mark.skipif(not _fill_works(), reason="this kernel refuses userfaultfd")
+needs_huge_pages = pytest.mark.skipif(not transparent_hugepages(), reason="this kernel has no THP")
 
 
 def fd_count() -> int:

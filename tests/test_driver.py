@@ -26,6 +26,7 @@ from conftest import (
 )
 
 from streamer import StreamerError
+from streamer.backends.base import FileRead
 from streamer.backends.local import LocalStorage
 from streamer.destinations.buffers import empty_tensor
 from streamer.engine import native
@@ -59,7 +60,7 @@ class PeerSink:
     def plan(self) -> list[native.Unit]:
         return self.units
 
-    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+    def open_page_fill(self, file_reads: Sequence[FileRead]) -> native.PageFill | None:
         return None
 
     def submit_what_fits(self, submit: Submit) -> bool:

@@ -25,6 +25,8 @@ from conftest import (
     config,
     file_layout,
     mapping_of,
+    needs_fill,
+    needs_huge_pages,
     random_tensor,
     raw_bytes,
     raw_entry,
@@ -307,6 +309,7 @@ def test_auto_mode_reads_uncached_files_direct(tmp_path: Path) -> None:
         metrics = s.metrics
     assert_same_dict(got, tensors)
     assert metrics["direct_files"] == 2, metrics
+    assert metrics["prefault_bytes"] >= sum(t.nbytes for t in tensors.values()), metrics  # ahead of the reads
     for shard in written.shards:  # O_DIRECT left the cache empty; a buffered read fills it
         shard.read_bytes()
     with streamer.open(written.index, config=unfilled) as s:
@@ -314,10 +317,12 @@ def test_auto_mode_reads_uncached_files_direct(tmp_path: Path) -> None:
         assert s.metrics["buffered_files"] == 2, "cached files should be read buffered"
 
 
+@needs_fill
+@needs_huge_pages  # for the readers' buffers, without which O_DIRECT reads are not filled
 def test_auto_mode_reads_cold_files_direct_into_page_filled_cpu_buffers(tmp_path: Path) -> None:
-    """Cold files are read with O_DIRECT into CPU buffers that the page fill serves warm: a read
-    through the page cache would cost a page-cache page and a copy more for every 4 KiB. Their
-    fresh buffers are faulted in by another thread, ahead of the reads; the page fill's never are."""
+    """Cold files are read with O_DIRECT, warm ones buffered, both into CPU buffers through the
+    page fill: a cold read through the page cache would cost a page-cache page and a copy more for
+    every 4 KiB. No page of those buffers is faulted in, by a reader or ahead of it."""
     tensors = {f"w{i}": random_tensor((256 * KiB,), torch.uint8) for i in range(4)}
     written = write_checkpoint(tmp_path, tensors, shards=2)
     if not takes_direct_io(tmp_path):
@@ -330,7 +335,8 @@ def test_auto_mode_reads_cold_files_direct_into_page_filled_cpu_buffers(tmp_path
         assert_same_dict(dict(iter(s)), tensors)
         metrics = s.metrics
     assert metrics["direct_files"] == 2 and metrics["buffered_files"] == 0, metrics
-    assert metrics["prefault_bytes"] >= sum(t.numel() for t in tensors.values()), metrics  # faulted in ahead
+    assert metrics["filled_bytes"] >= sum(t.nbytes for t in tensors.values()), metrics
+    assert metrics["prefault_bytes"] == 0, metrics
     for shard in written.shards:
         shard.read_bytes()  # cached now: read buffered, through the page fill
     with streamer.open(written.index, config=filled) as s:

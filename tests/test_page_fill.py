@@ -25,6 +25,8 @@ from conftest import (
     config,
     fd_count,
     loopback_s3_config,
+    needs_fill,
+    needs_huge_pages,
     random_tensor,
     raw_bytes,
     s3_client,
@@ -40,17 +42,7 @@ from streamer.errors import ReadError
 from streamer.plan.segments import plan_segments
 from streamer_bench import pagecache
 
-
-def _fill_works() -> bool:
-    fill, _ = native.PageFill.open()
-    if fill is None:
-        return False
-    fill.close()
-    return True
-
-
-needs_fill = pytest.mark.skipif(not _fill_works(), reason="this kernel refuses userfaultfd")
-# Buffered: a file just written could be read with O_DIRECT on a busy machine, which skips the fill.
+# Buffered: every file read the same way, whatever the page cache kept of a file just written.
 FILLING: dict[str, Any] = {"page_fill": True, "io_mode": "buffered"}
 
 
@@ -247,14 +239,46 @@ def test_a_load_given_up_early_closes_its_page_fill(tmp_path: Path) -> None:
 
 
 @needs_fill
-def test_files_read_with_o_direct_skip_it(tmp_path: Path) -> None:
-    """A cold read lands in fresh pages without a fault already: through the fill it would cost a copy."""
+@needs_huge_pages
+@pytest.mark.parametrize("block_size", [64 * KiB, 12 * MiB])
+def test_files_read_with_o_direct_go_through_it(tmp_path: Path, block_size: int) -> None:
+    """A cold read lands in the reader's own huge-page buffer (large requests) and its pages are
+    placed from there: none is faulted in, by the reader or ahead of it. Blocks longer than the
+    reader's buffer are read a piece at a time."""
     if not takes_direct_io(tmp_path):
         pytest.skip(f"{tmp_path} does not open files with O_DIRECT (tmpfs)")
-    written = write_checkpoint(tmp_path, _tensors(8), shards=2)
-    with streamer.open(written.source, config=config(page_fill=True, io_mode="direct")) as handle:
+    tensors = {**_tensors(8), "big": random_tensor((5 * MiB + 3,), torch.float32)}
+    written = write_checkpoint(tmp_path, tensors, shards=2)
+    cfg = config(page_fill=True, io_mode="direct", block_size=block_size, inline_max_bytes=0)
+    with streamer.open(written.source, config=cfg) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
-        assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)
+        metrics = handle.metrics
+    assert metrics["direct_files"] == 2 and metrics["page_fill"] == "on", metrics
+    assert metrics["filled_bytes"] >= sum(t.nbytes for t in tensors.values()), metrics
+    assert metrics["prefault_bytes"] == 0, metrics
+
+
+@pytest.mark.parametrize("without", ["off", "refused", "no huge pages"])
+def test_o_direct_reads_without_it_are_faulted_in_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, without: str
+) -> None:
+    """Turned off, refused by the kernel, or where the readers' buffers cannot take huge pages (an
+    O_DIRECT read into scattered 4 KiB pages goes out as small requests): another thread faults the
+    fresh pages in ahead of the O_DIRECT reads, which otherwise would fault them in while the
+    device waits."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path} does not open files with O_DIRECT (tmpfs)")
+    if without == "refused":
+        monkeypatch.setattr(native.PageFill, "open", classmethod(lambda cls: (None, "userfaultfd refused")))
+    if without == "no huge pages":
+        monkeypatch.setattr("streamer.run.cpu.transparent_hugepages", lambda: False)
+    written = write_checkpoint(tmp_path, _tensors(10), shards=2)
+    cfg = config(page_fill=without != "off", io_mode="direct", block_size=64 * KiB, inline_max_bytes=0)
+    with streamer.open(written.source, config=cfg) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        metrics = handle.metrics
+    assert metrics["direct_files"] == 2 and metrics["filled_bytes"] == 0, metrics
+    assert metrics["prefault_bytes"] >= sum(t.nbytes for t in written.tensors.values()), metrics
 
 
 _SECCOMP_DENY_USERFAULTFD = """

@@ -123,9 +123,9 @@ class Feed(ABC):
         return None
 
     @property
-    def fillable(self) -> Sequence[bool]:
-        """Per engine file: whether the engine's readers read it through the page cache, so that its
-        fresh buffers may go through the page fill; empty where the bytes arrive another way."""
+    def file_reads(self) -> Sequence[FileRead]:
+        """Per engine file: how the engine's readers read it (its fresh buffers may then go through
+        the page fill); empty where the bytes arrive another way."""
         return ()
 
     @abstractmethod
@@ -135,6 +135,13 @@ class Feed(ABC):
     @abstractmethod
     def close(self) -> None:
         """Returns once nothing of this feed can write into the run's buffers. Idempotent."""
+
+
+class FileRead(enum.Enum):
+    """How the engine's readers read a local file."""
+
+    BUFFERED = "buffered"  # through the page cache
+    DIRECT = "direct"  # O_DIRECT: a read into a fresh page faults it in first, on the reader
 
 
 class Delivery(enum.Enum):

@@ -337,8 +337,10 @@ class StreamerConfig:
         (userfaultfd's ``UFFDIO_COPY``, ``STREAMER_PAGE_FILL``, 1 or 0) instead of having a page
         fault zero each 4 KiB page before the read overwrites it. ``None`` (the default) turns it
         on wherever buffers take 4 KiB pages (``hugepages`` off): there it loaded a warm
-        1 GiB checkpoint 1.6x faster (README). Used for local files; where the kernel or a seccomp
-        filter refuses userfaultfd, loads go on without it (``metrics["page_fill"]`` says why).
+        1 GiB checkpoint 1.6x faster, and a cold one (read with O_DIRECT into a huge-page buffer
+        of each reader, then placed) 1.5x (README). Used for local files; where the kernel or a
+        seccomp filter refuses userfaultfd, loads go on without it (``metrics["page_fill"]`` says
+        why).
     inline_max_bytes: a run of local files into CPU memory of at most this many bytes (default
         64 MiB, ``STREAMER_INLINE_MAX_BYTES``) is read by the caller's thread and torch's intra-op
         threads, each tensor into memory of its own, without the engine's reader threads

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from streamer.backends.base import Feed, Named, Storage, tensor_at
+from streamer.backends.base import Feed, FileRead, Named, Storage, tensor_at
 from streamer.config import StreamerConfig
 from streamer.engine import native
 from streamer.errors import ReadError, StreamerError
@@ -70,10 +70,10 @@ class Reader:
         self._metrics = metrics
 
     @property
-    def fillable(self) -> Sequence[bool]:
-        """Per engine file: whether its fresh buffers may go through the page fill (``Feed.fillable``)."""
+    def file_reads(self) -> Sequence[FileRead]:
+        """Per engine file: how the engine reads it, if it does (``Feed.file_reads``)."""
         assert self._feed is not None
-        return self._feed.fillable
+        return self._feed.file_reads
 
     def set_fill(self, fill: native.PageFill) -> None:
         """Lends the engine the page fill of the run's sink (which closes it after this reader)."""

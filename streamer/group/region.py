@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from streamer.backends.base import Delivery
+from streamer.backends.base import Delivery, FileRead
 from streamer.config import StreamerConfig
 from streamer.destinations.buffers import empty_tensor
 from streamer.engine import native
@@ -56,7 +56,7 @@ class RegionSink(Tally):
         self.metrics = metrics
         metrics.memory_limit_source = "group: the host's shared copy of the checkpoint"
 
-    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+    def open_page_fill(self, file_reads: Sequence[FileRead]) -> native.PageFill | None:
         return None  # the host's shared region: not memory of this process alone
 
     def plan(self) -> list[native.Unit]:

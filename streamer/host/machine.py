@@ -89,7 +89,7 @@ BALLOON_DEVICES = "/sys/bus/virtio/drivers/virtio_balloon"
 _BALLOON_F_REPORTING = 5  # VIRTIO_BALLOON_F_REPORTING, a bit of the device's negotiated features
 
 
-def _transparent_hugepages() -> bool:
+def transparent_hugepages() -> bool:
     """Whether the kernel gives huge pages to memory that asks (THP ``always`` or ``madvise``)."""
     try:
         with open(THP_SETTING) as setting:
@@ -123,7 +123,7 @@ def hugepages_by_default() -> bool:
     now = time.monotonic()
     kept = _HUGEPAGES_DEFAULT.get(key)
     if kept is None or now - kept[0] > _KEEP_SECONDS:
-        kept = (now, _transparent_hugepages() and not free_page_reporting())
+        kept = (now, transparent_hugepages() and not free_page_reporting())
         _HUGEPAGES_DEFAULT[key] = kept
     return kept[1]
 

@@ -4,7 +4,7 @@ Tensors are grouped into segments, each read into one buffer; a segment is queue
 its buffer fits the budget (``memory.py``), and a buffer comes back for the next segment only
 once no tensor views it (``destinations/cpu.py``).
 
-Fresh buffers of segments read in whole pages, of files the engine reads through the page cache,
+Fresh buffers of segments read in whole pages, of files the engine reads (buffered or O_DIRECT),
 go through the page fill where the config allows it (``StreamerConfig.page_fill``): their pages
 are created holding their bytes. A page of such a buffer must not be touched before it is filled.
 A tensor is handed out once its own bytes are read, while the rest of its buffer may still be
@@ -20,11 +20,12 @@ from collections.abc import Sequence
 
 import torch
 
-from streamer.backends.base import Delivery
+from streamer.backends.base import Delivery, FileRead
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.budget import over_limit_message, streaming_budget, warn_from_caller
 from streamer.destinations.buffers import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
+from streamer.host.machine import transparent_hugepages
 from streamer.observe.metrics import LoadMetrics
 from streamer.plan.segments import Segment
 from streamer.plan.selection import Selection
@@ -63,9 +64,8 @@ class CpuSink(Tally):
         self._pool = BufferPool(self._budget, hugepages=config.hugepages)
         # One thread (e.g. the S3 event loop) receives every byte: fault fresh buffers in
         # elsewhere, ahead of the bytes (see Prefaulter). The engine's O_DIRECT files get one too,
-        # once the reader says which files those are (open_page_fill).
+        # once the reader says which files those are (open_page_fill), for buffers not page-filled.
         self._prefaulter = Prefaulter() if delivery.one_receiver and selection.files else None
-        self._engine_reads = delivery.engine_reads
         self._prefaulted_files: Sequence[bool] = [self._prefaulter is not None] * len(selection.files)
         self._faulted_prefix: dict[int, int] = {}  # buffer address -> bytes from its start faulted in ahead
         self._fills_pages = config.fills_pages()
@@ -93,16 +93,22 @@ class CpuSink(Tally):
     def plan(self) -> list[native.Unit]:
         return self._units
 
-    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
-        if self._engine_reads and not all(fillable):
-            # The engine's O_DIRECT reads fault their fresh pages in before each read, on the reader
-            # that then waits on the device: another thread faults them in ahead instead.
-            self._prefaulted_files = [not f for f in fillable]
+    def open_page_fill(self, file_reads: Sequence[FileRead]) -> native.PageFill | None:
+        if FileRead.DIRECT in file_reads:
+            # An O_DIRECT read faults the fresh pages it lands in first, on the reader that then
+            # waits on the device: where the page fill does not create them, another thread
+            # faults them in ahead instead (_prefault).
+            self._prefaulted_files = [read is FileRead.DIRECT for read in file_reads]
             self._prefaulter = self._prefaulter or Prefaulter()
-        if not self._fills_pages or not any(fillable):
+        if not self._fills_pages or not file_reads:
             return None
+        # An O_DIRECT read is fast only into physically contiguous pages: its blocks are filled
+        # from each reader's buffer only where that buffer gets huge pages.
+        huge_read_buffers = transparent_hugepages()
         self._fill_extents = [
-            segment.filled_extent(DIRECT_IO_ALIGNMENT) if fillable[segment.file] else None
+            segment.filled_extent(DIRECT_IO_ALIGNMENT)
+            if huge_read_buffers or file_reads[segment.file] is FileRead.BUFFERED
+            else None
             for segment in self._segments
         ]
         if any(self._fill_extents):
@@ -125,15 +131,17 @@ class CpuSink(Tally):
             if buffer is None:
                 return False
             tensor, base, charge = buffer
-            self._prefault(segment, base, fresh=reused is None)
             self._buffers[index] = (tensor, charge)
             self._undelivered[index] = segment.unit_count
             self.queued(segment.unit_count)
             self._next_segment += 1
             extent = self._fill_extents[index]
             if reused is None and extent is not None and self._register(index, base, extent):
+                # Filled, its pages exist: a later segment that reuses the buffer need not fault them.
+                self._faulted_prefix[base] = extent[1] if extent[0] == 0 else 0
                 submit([block._replace(flags=native.BLOCK_FILL) for block in segment.blocks], base)
             else:
+                self._prefault(segment, base, fresh=reused is None)
                 submit(segment.blocks, base)
         return True
 

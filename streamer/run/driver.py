@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from streamer.backends.base import Delivery, Storage
+from streamer.backends.base import Delivery, FileRead, Storage
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.engine import native
 from streamer.engine.reader import Reader, open_reader
@@ -46,9 +46,9 @@ class Sink(Protocol):
     def plan(self) -> Sequence[native.Unit]:
         """Readies the memory reads land in; the units the reader counts (unit ``i`` has id ``i``)."""
 
-    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+    def open_page_fill(self, file_reads: Sequence[FileRead]) -> native.PageFill | None:
         """Once the reader has opened the files: the page fill that its ``BLOCK_FILL`` blocks of the
-        engine files marked in ``fillable`` will go through (the sink closes it), or None."""
+        engine files in ``file_reads`` will go through (the sink closes it), or None."""
 
     def submit_what_fits(self, submit: Submit) -> bool:
         """Queues every read there is memory for now; False if the next one waits for memory."""
@@ -185,7 +185,7 @@ class Run:
         self._reader = reader = open_reader(
             self._storage, self._checkpoint, self._files, self._config, units, self._named, self.metrics
         )
-        fill = sink.open_page_fill(reader.fillable)
+        fill = sink.open_page_fill(reader.file_reads)
         if fill is not None:
             reader.set_fill(fill)
         ready: deque[int] = deque()  # whole, in completion order

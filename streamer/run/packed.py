@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from streamer.backends.base import FileRead
 from streamer.destinations.buffers import MemoryBudget, allocate_buffer
 from streamer.engine import native
 from streamer.observe.metrics import LoadMetrics
@@ -36,7 +37,7 @@ class PackedSink:
         self.metrics = metrics
         metrics.bytes = packing.need
 
-    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+    def open_page_fill(self, file_reads: Sequence[FileRead]) -> native.PageFill | None:
         return None  # ranges are packed back to back, not in whole pages
 
     def plan(self) -> list[native.Unit]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from streamer.backends.base import FileRead
 from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.buffers import empty_tensor
 from streamer.destinations.copy_engine import CopyEngine, CopyTicket
@@ -98,7 +99,7 @@ class StagedSink:
         self._reading = 0
         self._completed: list[int] = []
 
-    def open_page_fill(self, fillable: Sequence[bool]) -> native.PageFill | None:
+    def open_page_fill(self, file_reads: Sequence[FileRead]) -> native.PageFill | None:
         return None  # the ring is reused from load to load: its pages exist
 
     def plan(self) -> list[native.Unit]:
