@@ -338,7 +338,7 @@ class StreamerConfig:
         fault zero each 4 KiB page before the read overwrites it. ``None`` (the default) turns it
         on wherever buffers take 4 KiB pages (``hugepages`` off): there it loaded a warm
         1 GiB checkpoint 1.6x faster, and a cold one (read with O_DIRECT into a huge-page buffer
-        of each reader, then placed) 1.5x (README). Used for local files; where the kernel or a
+        of each reader, then placed) 1.9x (README). Used for local files; where the kernel or a
         seccomp filter refuses userfaultfd, loads go on without it (``metrics["page_fill"]`` says
         why).
     inline_max_bytes: a run of local files into CPU memory of at most this many bytes (default
