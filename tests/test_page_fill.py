@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,35 @@ def test_files_read_with_o_direct_go_through_it(tmp_path: Path, block_size: int)
     assert metrics["direct_files"] == 2 and metrics["page_fill"] == "on", metrics
     assert metrics["filled_bytes"] >= sum(t.nbytes for t in tensors.values()), metrics
     assert metrics["prefault_bytes"] == 0, metrics
+
+
+@needs_fill
+@needs_huge_pages
+@pytest.mark.parametrize("cut_at", ["inside a chunk", "at a chunk's end"])
+def test_a_file_cut_short_during_an_o_direct_fill_names_it_and_hands_out_only_exact_tensors(
+    tmp_path: Path, cut_at: str
+) -> None:
+    """Truncated after open, read cold in 12 MiB blocks (two of the readers' 8 MiB chunks each):
+    a ReadError naming the file, each tensor handed out before it exact, nothing left open."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path} does not open files with O_DIRECT (tmpfs)")
+    tensors = {f"t{i}": torch.arange(i << 20, (i + 1) << 20, dtype=torch.int32) for i in range(8)}  # 32 MiB
+    written = write_checkpoint(tmp_path, tensors, index=False)
+    (path,) = written.shards
+    cut = 20 * MiB + (12345 if cut_at == "inside a chunk" else 0)
+    fds, threads = fd_count(), threading.active_count()
+    cfg = config(page_fill=True, io_mode="direct", block_size=12 * MiB, memory_limit=UNLIMITED)
+    got: dict[str, torch.Tensor] = {}
+    with streamer.open(path, config=cfg, order="checkpoint") as handle:
+        os.truncate(path, cut)
+        with pytest.raises(ReadError) as info:
+            for name, tensor in handle:
+                got[name] = tensor
+    assert info.value.path == str(path) and str(path) in str(info.value), info.value
+    assert len(got) < len(tensors)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, tensors[name]), name
+    assert fd_count() == fds and threading.active_count() <= threads
 
 
 @pytest.mark.parametrize("without", ["off", "refused", "no huge pages"])
