@@ -301,7 +301,7 @@ def test_o_direct_reads_without_it_are_faulted_in_ahead(
     if without == "refused":
         monkeypatch.setattr(native.PageFill, "open", classmethod(lambda cls: (None, "userfaultfd refused")))
     if without == "no huge pages":
-        monkeypatch.setattr("streamer.run.cpu.transparent_hugepages", lambda: False)
+        monkeypatch.setattr("streamer.run.cpu.transparent_hugepages_kept", lambda: False)
     written = write_checkpoint(tmp_path, _tensors(10), shards=2)
     cfg = config(page_fill=without != "off", io_mode="direct", block_size=64 * KiB, inline_max_bytes=0)
     with streamer.open(written.source, config=cfg) as handle:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 # Reader threads when ``concurrency`` is left to the machine. Warm reads are page-cache copies, so
@@ -116,17 +117,28 @@ def free_page_reporting() -> bool:
 
 def hugepages_by_default() -> bool:
     """Huge pages where the kernel has them, except on VMs with free page reporting (see there).
+    Asked by every config that is built (a load with the default config builds one)."""
+    return _kept(
+        ("hugepages by default", THP_SETTING, BALLOON_DEVICES),
+        lambda: transparent_hugepages() and not free_page_reporting(),
+    )
 
-    Asked by every config that is built (a load with the default config builds one): the answer
-    is kept for a second, for the files it was read from."""
-    key = (THP_SETTING, BALLOON_DEVICES)
+
+def transparent_hugepages_kept() -> bool:
+    """``transparent_hugepages()``, asked by every CPU run whose pages may be filled."""
+    return _kept(("transparent hugepages", THP_SETTING), transparent_hugepages)
+
+
+def _kept(key: tuple[str, ...], answer: Callable[[], bool]) -> bool:
+    """``answer()``, kept for a second for the files it was read from (in ``key``): reading them
+    costs more than the rest of a small run's set-up."""
     now = time.monotonic()
-    kept = _HUGEPAGES_DEFAULT.get(key)
+    kept = _KEPT.get(key)
     if kept is None or now - kept[0] > _KEEP_SECONDS:
-        kept = (now, transparent_hugepages() and not free_page_reporting())
-        _HUGEPAGES_DEFAULT[key] = kept
+        kept = (now, answer())
+        _KEPT[key] = kept
     return kept[1]
 
 
 _KEEP_SECONDS = 1.0
-_HUGEPAGES_DEFAULT: dict[tuple[str, str], tuple[float, bool]] = {}
+_KEPT: dict[tuple[str, ...], tuple[float, bool]] = {}

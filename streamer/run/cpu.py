@@ -25,7 +25,7 @@ from streamer.config import DIRECT_IO_ALIGNMENT, StreamerConfig
 from streamer.destinations.budget import over_limit_message, streaming_budget, warn_from_caller
 from streamer.destinations.buffers import BufferPool, MemoryBudget, Prefaulter, empty_tensor, tensor_view
 from streamer.engine import native
-from streamer.host.machine import transparent_hugepages
+from streamer.host.machine import transparent_hugepages_kept
 from streamer.observe.metrics import LoadMetrics
 from streamer.plan.segments import Segment
 from streamer.plan.selection import Selection
@@ -104,7 +104,7 @@ class CpuSink(Tally):
             return None
         # An O_DIRECT read is fast only into physically contiguous pages: its blocks are filled
         # from each reader's buffer only where that buffer gets huge pages.
-        huge_read_buffers = transparent_hugepages()
+        huge_read_buffers = transparent_hugepages_kept()
         self._fill_extents = [
             segment.filled_extent(DIRECT_IO_ALIGNMENT)
             if huge_read_buffers or file_reads[segment.file] is FileRead.BUFFERED
