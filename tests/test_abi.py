@@ -73,6 +73,14 @@ def test_constants_are_the_headers() -> None:
     assert native.ERR_CANCELLED == -5 and native.ERR_TRUNCATED == -4
 
 
+def test_the_emitted_constants_and_hash_are_the_installed_headers() -> None:
+    """The import reads the constants from ``_ffi.py``, parsed from this very header."""
+    import hashlib
+
+    assert parse_header(HEADER.read_text())[1] == _ffi.CONSTANTS
+    assert hashlib.sha256(HEADER.read_bytes()).hexdigest() == _ffi.HEADER_SHA256
+
+
 def test_struct_layout_matches_the_c_compiler(tmp_path: Path) -> None:
     """cffi's view of every struct (from the parsed header) is the compiler's, field by field."""
     lines = ["#include <stddef.h>", "#include <stdio.h>", f'#include "{HEADER}"', "int main(void) {"]

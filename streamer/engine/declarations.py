@@ -1,6 +1,7 @@
 """The engine's C header, read for Python: its declarations (for cffi) and its ``SE_*`` constants.
 
 The header is installed beside the library; it is the one declaration of the ABI.
+``scripts/emit_ffi.py`` parses it into ``_ffi.py``; an import only checks its SHA-256.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import re
 from pathlib import Path
 
 HEADER_NAME = "streamer_engine.h"
-_DEFINE = re.compile(r"^#define\s+(SE_\w+)\s+\(?\s*(-?\d+)\s*\)?\s*$")
+_DEFINE = r"^#define\s+(SE_\w+)\s+\(?\s*(-?\d+)\s*\)?\s*$"
 
 
 def header_path() -> Path:
@@ -35,7 +36,7 @@ def parse_header(text: str) -> tuple[str, dict[str, int]]:
         if not line.startswith("#"):
             declarations.append(line)
             continue
-        match = _DEFINE.match(line)
+        match = re.match(_DEFINE, line)
         if match is not None:
             constants[match.group(1)] = int(match.group(2))
         elif line.startswith("#define SE_"):

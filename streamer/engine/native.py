@@ -3,7 +3,7 @@
 The C library has no Python dependency; this module is the only place that
 knows its symbols. They come from the C header (installed beside the library):
 parsed once by cffi into ``_ffi.py`` (``scripts/emit_ffi.py``, so no import
-parses C), which is refused if the header now says anything else; a library
+parses C), which is refused if the header's bytes changed since; a library
 built from another version of the header is refused when it is loaded. cffi
 releases the GIL around every call, so a blocking ``wait`` lets other Python
 threads run.
@@ -12,6 +12,7 @@ threads run.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -24,17 +25,17 @@ from streamer.engine.blocks import BLOCK_DTYPE
 from streamer.engine.blocks import Block as Block
 from streamer.engine.blocks import BlockArray as BlockArray
 from streamer.engine.blocks import Unit as Unit
-from streamer.engine.declarations import HEADER_NAME, header_path, parse_header
+from streamer.engine.declarations import HEADER_NAME, header_path
 
 _LIBRARY_NAME = "libstreamer_engine.so"
 _ALL = 2**64 - 1  # a length meaning "to the end of the file"
 
-_DECLARATIONS, _CONSTANTS = parse_header(header_path().read_text())
-if _DECLARATIONS != _ffi.DECLARATIONS:
+if hashlib.sha256(header_path().read_bytes()).hexdigest() != _ffi.HEADER_SHA256:
     raise ImportError(
-        f"{HEADER_NAME} differs from the declarations streamer/engine/_ffi.py was made from: "
+        f"{HEADER_NAME} differs from the header streamer/engine/_ffi.py was made from: "
         "run `python scripts/emit_ffi.py` and rebuild"
     )
+_CONSTANTS: Mapping[str, int] = _ffi.CONSTANTS
 
 ABI_VERSION = _CONSTANTS["SE_ABI_VERSION"]
 DIRECT_ALIGNMENT = _CONSTANTS["SE_DIRECT_ALIGNMENT"]
