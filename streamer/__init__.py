@@ -1,9 +1,10 @@
 """streamer: load safetensors checkpoints from storage into memory at the speed of the hardware."""
 
+from typing import TYPE_CHECKING
+
 from streamer._version import __version__
 from streamer.api import IncompatibleKeys, Streamer, load, load_file, load_into, open
 from streamer.config import AzureConfig, CacheConfig, GCSConfig, S3Config, StreamerConfig
-from streamer.dropin import TensorSlice, safe_open
 from streamer.errors import (
     ConfigError,
     DeviceError,
@@ -61,3 +62,21 @@ __all__ = [
     "open",
     "safe_open",
 ]
+
+if TYPE_CHECKING:
+    from streamer.dropin import TensorSlice, safe_open
+
+_DROPIN = frozenset({"TensorSlice", "safe_open"})
+
+
+def __getattr__(name: str) -> object:
+    """The drop-in ``safe_open``, imported at first use: a load does not need it."""
+    if name in _DROPIN:
+        from streamer import dropin
+
+        return getattr(dropin, name)
+    raise AttributeError(f"module 'streamer' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_DROPIN})

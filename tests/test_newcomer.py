@@ -288,12 +288,19 @@ def test_keeping_tensors_from_get_tensor_over_the_memory_limit_warns_as_iteratin
 
 def test_import_leaves_what_a_plain_load_does_not_need() -> None:
     """``import streamer`` is a fixed cost of every load: the ring's machinery (device loads and
-    ``load_into``), get_slice's strided reads and every cloud SDK wait until a load needs them."""
+    ``load_into``), get_slice's strided reads, the drop-in ``safe_open`` and every cloud SDK wait
+    until a load needs them."""
     import json
     import subprocess
     import sys
 
-    later = ["streamer.run.staged", "streamer.plan.slicing", "streamer.run.packed", "streamer.group.exchange"]
+    later = [
+        "streamer.run.staged",
+        "streamer.plan.slicing",
+        "streamer.run.packed",
+        "streamer.group.exchange",
+        "streamer.dropin",
+    ]
     sdks = ["botocore", "aiobotocore", "aiohttp", "google.auth", "azure.identity", "torch.distributed"]
     code = (
         "import json, sys, torch\n"
@@ -304,3 +311,18 @@ def test_import_leaves_what_a_plain_load_does_not_need() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_the_drop_in_names_import_like_the_others() -> None:
+    """``safe_open`` and ``TensorSlice`` come at first use, yet ``from streamer import ...``,
+    ``import *`` and ``dir`` see them as any other name; an unknown name is an AttributeError."""
+    import streamer
+    from streamer import TensorSlice, dropin, safe_open
+
+    assert safe_open is dropin.safe_open and TensorSlice is dropin.TensorSlice
+    assert set(streamer.__all__) <= set(dir(streamer))
+    star: dict[str, object] = {}
+    exec("from streamer import *", star)
+    assert star["safe_open"] is dropin.safe_open
+    with pytest.raises(AttributeError, match="no attribute 'safe_opn'"):
+        streamer.safe_opn  # noqa: B018

@@ -25,7 +25,7 @@ SAFETENSORS_INDEX_SUFFIX = ".safetensors.index.json"
 DEFAULT_INDEX = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 100_000_000  # as safetensors caps a header; real indexes are ~10 MB at most
 MAX_INDEX_ENTRIES = 1 << 21
-_URI = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*)://")
+_URI = r"([a-zA-Z][a-zA-Z0-9+.-]*)://"
 
 
 @record
@@ -92,7 +92,7 @@ def resolve(source: SourceLike) -> ResolvedSource:
 
 def uri_scheme(text: str) -> str | None:
     """The scheme of ``text`` if it is a URI (``s3://...``), None for a local path."""
-    match = _URI.match(text)
+    match = re.match(_URI, text)
     return match.group(1) if match else None
 
 

@@ -24,7 +24,7 @@ Parser = Callable[[object], Any]
 """Turns a value as given into the field's value, or raises ``ValueError`` saying what is accepted."""
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_PATTERN = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+_SIZE_PATTERN = r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$"  # compiled at first use (re caches it)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _NONE = ("", "none")
@@ -103,7 +103,7 @@ def size(minimum: int = 1, *, optional: bool = False) -> Parser:
         if isinstance(value, bool):
             raise ValueError(what)
         if isinstance(value, str):
-            match = _SIZE_PATTERN.match(value)
+            match = re.match(_SIZE_PATTERN, value, re.IGNORECASE)
             if match is None:
                 raise ValueError(what)
             value = int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]

@@ -48,7 +48,7 @@ _MISSING = object()
 _FIELDS = ("dtype", "shape", "data_offsets")
 _MAX_INT_CHARS = 400  # an integer this long overflows a float, which serde_json refuses
 _MAX_DEPTH = 127  # serde_json's recursion limit: 128 nested arrays/objects are an error
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the escapes a lone surrogate is written with
+_SURROGATE_ESCAPE = r"\\u[dD][89a-fA-F]"  # the escapes a lone surrogate is written with
 _U64 = 2**64  # safetensors reads offsets and dims as u64 and multiplies them without overflow
 _TORCH_MAX_DIM = 2**63 - 1  # torch sizes are int64
 
@@ -279,7 +279,7 @@ def _load_json(header: bytes, *, path: str) -> _Object:
         raise HeaderError(f"header is not valid JSON: {e}", path=path) from None
     if not isinstance(value, _Object):
         raise HeaderError(f"header must be a JSON object, got {_show(value)}", path=path)
-    if _SURROGATE_ESCAPE.search(text):
+    if re.search(_SURROGATE_ESCAPE, text):
         _check_strings(value, path=path)
     return value
 

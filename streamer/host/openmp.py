@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-_RUNTIME_FILE = re.compile(r"/lib(?:gomp|iomp5|omp)(?:-[0-9a-f]+)?\.so(?:\.\d+)*$")
+_RUNTIME_FILE = r"/lib(?:gomp|iomp5|omp)(?:-[0-9a-f]+)?\.so(?:\.\d+)*$"
 MAPS = "/proc/self/maps"
 
 
@@ -104,7 +104,7 @@ def runtime_path(maps: str, torch_dir: Path) -> str | None:
     """The OpenMP runtime among the files mapped in ``maps`` (``/proc/<pid>/maps`` text): the one
     under ``torch_dir`` (torch's wheel bundles its own), else the only one; None if none, or
     several with none of them torch's."""
-    found = {line.split(maxsplit=5)[5] for line in maps.splitlines() if _RUNTIME_FILE.search(line)}
+    found = {line.split(maxsplit=5)[5] for line in maps.splitlines() if re.search(_RUNTIME_FILE, line)}
     torch_own = [path for path in found if Path(path).is_relative_to(torch_dir)]
     if len(torch_own) == 1:
         return torch_own[0]
