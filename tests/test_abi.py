@@ -164,6 +164,21 @@ def test_a_header_the_binding_was_not_made_from_is_refused(tmp_path: Path) -> No
     assert result.returncode != 0 and "scripts/emit_ffi.py" in result.stderr, result.stderr
 
 
+def test_an_install_without_its_header_says_so(tmp_path: Path) -> None:
+    installed = Path(native.__file__).resolve().parent.parent
+    copy = tmp_path / "site" / "streamer"
+    shutil.copytree(installed, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "_native" / "streamer_engine.h").unlink()
+    result = subprocess.run(
+        [sys.executable, "-c", "import streamer.engine.native"],
+        env={**os.environ, "PYTHONPATH": str(copy.parent)}, cwd="/",
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "ImportError: streamer's engine header is unreadable" in result.stderr, result.stderr
+    assert "reinstall the package" in result.stderr
+
+
 def test_a_library_from_before_abi_versions_is_refused(tmp_path: Path) -> None:
     library = _shared_library(tmp_path, "int se_engine_create(void) { return 0; }\n")
     result = _load_with(library)

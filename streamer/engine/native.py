@@ -30,11 +30,24 @@ from streamer.engine.declarations import HEADER_NAME, header_path
 _LIBRARY_NAME = "libstreamer_engine.so"
 _ALL = 2**64 - 1  # a length meaning "to the end of the file"
 
-if hashlib.sha256(header_path().read_bytes()).hexdigest() != _ffi.HEADER_SHA256:
-    raise ImportError(
-        f"{HEADER_NAME} differs from the header streamer/engine/_ffi.py was made from: "
-        "run `python scripts/emit_ffi.py` and rebuild"
-    )
+
+def _check_header() -> None:
+    """The installed header must be the one ``_ffi.py`` was made from, byte for byte."""
+    path = header_path()
+    try:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as error:
+        raise ImportError(
+            f"streamer's engine header is unreadable at {path} ({error}): reinstall the package"
+        ) from error
+    if digest != _ffi.HEADER_SHA256:
+        raise ImportError(
+            f"{HEADER_NAME} differs from the header streamer/engine/_ffi.py was made from: "
+            "run `python scripts/emit_ffi.py` and rebuild"
+        )
+
+
+_check_header()
 _CONSTANTS: Mapping[str, int] = _ffi.CONSTANTS
 
 ABI_VERSION = _CONSTANTS["SE_ABI_VERSION"]
