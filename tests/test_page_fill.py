@@ -261,6 +261,23 @@ def test_files_read_with_o_direct_go_through_it(tmp_path: Path, block_size: int)
 
 @needs_fill
 @needs_huge_pages
+def test_o_direct_reads_under_a_memory_limit_keep_to_it(tmp_path: Path) -> None:
+    """The readers' 8 MiB buffers are outside the memory budget: under a limit the caller set, an
+    O_DIRECT run faults its buffers in ahead instead of filling them, bit-exact all the same."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path} does not open files with O_DIRECT (tmpfs)")
+    tensors = {**_tensors(8), "big": random_tensor((5 * MiB + 3,), torch.float32)}
+    written = write_checkpoint(tmp_path, tensors, shards=2)
+    cfg = config(page_fill=True, io_mode="direct", memory_limit=32 * MiB, inline_max_bytes=0)
+    with streamer.open(written.source, config=cfg) as handle:
+        assert_same_dict(dict(iter(handle)), written.tensors)
+        metrics = handle.metrics
+    assert metrics["direct_files"] == 2 and metrics["filled_bytes"] == 0, metrics
+    assert metrics["prefault_bytes"] >= sum(t.nbytes for t in tensors.values()), metrics
+
+
+@needs_fill
+@needs_huge_pages
 @pytest.mark.parametrize("cut_at", ["inside a chunk", "at a chunk's end"])
 def test_a_file_cut_short_during_an_o_direct_fill_names_it_and_hands_out_only_exact_tensors(
     tmp_path: Path, cut_at: str

@@ -103,11 +103,13 @@ class CpuSink(Tally):
         if not self._fills_pages or not file_reads:
             return None
         # An O_DIRECT read is fast only into physically contiguous pages: its blocks are filled
-        # from each reader's buffer only where that buffer gets huge pages.
-        huge_read_buffers = transparent_hugepages_kept()
+        # from each reader's buffer only where that buffer gets huge pages. Those buffers (8 MiB a
+        # reader) are outside the memory budget: under a memory_limit the caller set, the pages
+        # are faulted in ahead instead, so that nothing but the limit's buffers is resident.
+        direct_fill = transparent_hugepages_kept() and not self._explicit_limit
         self._fill_extents = [
             segment.filled_extent(DIRECT_IO_ALIGNMENT)
-            if huge_read_buffers or file_reads[segment.file] is FileRead.BUFFERED
+            if direct_fill or file_reads[segment.file] is FileRead.BUFFERED
             else None
             for segment in self._segments
         ]
