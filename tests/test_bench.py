@@ -718,16 +718,19 @@ def _main_job_settings() -> list[tuple[Setting, list[str]]]:
 def test_the_budget_of_a_state_keeps_the_later_states_minimum_rounds() -> None:
     """Warm, run first, keeps cold's 5 rounds of 5 settings (into=touched is cold only), each run
     weighted as cold, and cold's fio runs: 2 modes x 3 reader counts x 2, and 5 before its rounds,
-    then the memory ceilings. Cold, run last, keeps only the memory ceilings."""
-    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "300"])
+    the buffered ones each after the settle, then the memory ceilings. Cold, run last, keeps only
+    the memory ceilings."""
+    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "300", "--settle", "3"])
     planned = _main_job_settings()
     warm = cli.time_budget(args, 100.0, planned, ["cold"])
     assert warm is not None and warm.end == 400.0
     assert warm.later_runs == pytest.approx(5 * 5 * cli.RUN_WEIGHT["cold"])
-    assert cli.ceiling_runs(args, "cold") == 2 * 3 * args.ceiling_repeat + 5
-    assert warm.later_seconds == pytest.approx(
-        cli.ceiling_runs(args, "cold") * cli.FIO_RUN_SECONDS + cli.MEMORY_CEILINGS_SECONDS
+    buffered = 3 * args.ceiling_repeat + 5
+    assert cli.ceiling_seconds(args, "cold") == pytest.approx(
+        (buffered + 3 * args.ceiling_repeat) * cli.FIO_RUN_SECONDS + buffered * 3.0
     )
+    cold_ceilings = cli.ceiling_seconds(args, "cold")
+    assert warm.later_seconds == pytest.approx(cold_ceilings + cli.MEMORY_CEILINGS_SECONDS)
     cold = cli.time_budget(args, 100.0, planned, [])
     assert cold is not None and cold.later_runs == 0 and cold.later_seconds == cli.MEMORY_CEILINGS_SECONDS
     assert cli.time_budget(arguments.parse_args(["--time-budget", "none"]), 0.0, planned, ["cold"]) is None
@@ -817,6 +820,28 @@ def test_measure_round_reads_at_the_ceiling_s_best_reader_count(tmp_path: Path) 
     ceilings.measure_round(found, made.files, lambda: prepared.append("prepared"), 3)
     assert prepared == ["prepared"] and [r["round"] for r in found.rounds] == [3]
     assert found.rounds[0]["gbps"] > 0
+
+
+def test_a_buffered_cold_ceiling_run_starts_after_the_settle_as_a_load_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffered cold read fills the page cache with memory the VM may have handed back, as the
+    loads' memory is: it waits the settle after its eviction. O_DIRECT and warm runs fill none."""
+    made = synthetic.generate(tmp_path, 8 * MiB, 2)
+    events: list[str] = []
+    monkeypatch.setattr(ceilings.time, "sleep", lambda seconds: events.append(f"settle {seconds}"))
+    found = ceilings.storage_ceilings(
+        made.files, "cold", lambda: events.append("evicted"), use_fio=False, settle=3.0
+    )
+    per_mode = len(ceilings.JOB_COUNTS)
+    assert events == ["evicted", "settle 3.0"] * per_mode + ["evicted"] * per_mode  # buffered, then direct
+    events.clear()
+    ceilings.measure_round(found[0], made.files, lambda: events.append("evicted"), 0, settle=3.0)
+    ceilings.measure_round(found[1], made.files, lambda: events.append("evicted"), 0, settle=3.0)
+    assert events == ["evicted", "settle 3.0", "evicted"]
+    events.clear()
+    ceilings.storage_ceilings(made.files, "warm", lambda: events.append("cached"), use_fio=False, settle=3.0)
+    assert events == ["cached"] * 2 * per_mode
 
 
 IMPORT_TIME = Path(__file__).resolve().parent.parent / "benchmarks" / "import_time.py"

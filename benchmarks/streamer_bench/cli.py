@@ -229,22 +229,26 @@ def state_runs(
 
 # What --time-budget keeps back for what follows the state in progress, from the main job's log
 # (1 GiB checkpoint, 2-core VM; a run there takes ~4.1 s warm): one fio run of a storage ceiling,
-# its cache state reset included, ~1.5 s; the memory ceilings at the end ~10 s; a cold run ~1.15x
-# a warm one (it waits on the disk), while the budget's mean per run is the state in progress'.
-# With a flat 10 s a state and cold's runs at warm's cost, warm took rounds cold then needed: the
-# job of 11-29 10:36 ran 6:17.
+# its cache state reset included, ~1.5 s, and a buffered cold one waits the settle first; the
+# memory ceilings at the end ~10 s; a cold run ~1.15x a warm one (it waits on the disk), while the
+# budget's mean per run is the state in progress'. With a flat 10 s a state and cold's runs at
+# warm's cost, warm took rounds cold then needed: the job of 11-29 10:36 ran 6:17.
 FIO_RUN_SECONDS = 1.5
 MEMORY_CEILINGS_SECONDS = 10.0
 RUN_WEIGHT = {"cold": 1.15}
 
 
-def ceiling_runs(args: argparse.Namespace, state: str) -> int:
-    """The fio runs a state's storage ceilings take: every reader count of every mode, each
-    ``--ceiling-repeat`` times, and for cold one more before each of its minimum rounds."""
+def ceiling_seconds(args: argparse.Namespace, state: str) -> float:
+    """What a state's storage ceilings take: every reader count of every mode, each
+    ``--ceiling-repeat`` times, and for cold one more before each of its minimum rounds (the
+    buffered read, the best on our VMs, so each of those waits the settle too)."""
     if not args.ceilings or state == "remote":
-        return 0
+        return 0.0
     per_mode = len(ceilings.JOB_COUNTS) * int(args.ceiling_repeat)
-    return 2 * per_mode + int(args.min_rounds) if state == "cold" else per_mode
+    if state != "cold":
+        return per_mode * FIO_RUN_SECONDS
+    buffered = per_mode + int(args.min_rounds)
+    return (buffered + per_mode) * FIO_RUN_SECONDS + buffered * float(args.settle)
 
 
 def time_budget(
@@ -259,11 +263,9 @@ def time_budget(
         args.min_rounds * len(state_runs(args, planned, state)) * RUN_WEIGHT.get(state, 1.0)
         for state in later
     )
-    reserve = (
-        sum(ceiling_runs(args, state) for state in later) * FIO_RUN_SECONDS + MEMORY_CEILINGS_SECONDS
-        if args.ceilings
-        else 0.0
-    )
+    reserve = 0.0
+    if args.ceilings:
+        reserve = sum(ceiling_seconds(args, state) for state in later) + MEMORY_CEILINGS_SECONDS
     return runner.TimeBudget(start + args.time_budget, later_runs, reserve)
 
 
@@ -309,6 +311,7 @@ def run_sections(
                     modes=modes,
                     use_fio=args.fio,
                     repeat=args.ceiling_repeat,
+                    settle=args.settle,
                     progress=progress,
                 )
             each_round = None
@@ -316,7 +319,12 @@ def run_sections(
             if state == "cold" and reads:  # cold reads drift most: each round gets its own ceiling
                 best_read = max(reads, key=lambda c: c.gbps or 0.0)
                 each_round = functools.partial(
-                    ceilings.measure_round, best_read, checkpoint.files, prepare, progress=progress
+                    ceilings.measure_round,
+                    best_read,
+                    checkpoint.files,
+                    prepare,
+                    settle=args.settle,
+                    progress=progress,
                 )
             stopped = runner.run_section(
                 configs,
