@@ -41,6 +41,7 @@ from streamer.engine import native
 from streamer.engine.blocks import Block
 from streamer.errors import ReadError
 from streamer.plan.segments import plan_segments
+from streamer.run.cpu import MAPPED_VIEW_BYTES
 from streamer_bench import pagecache
 
 # Buffered: every file read the same way, whatever the page cache kept of a file just written.
@@ -82,6 +83,33 @@ def test_a_load_through_the_page_fill_is_bit_exact_and_says_so(tmp_path: Path, s
     with streamer.open(written.source, config=config(page_fill=False)) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         assert (handle.metrics["page_fill"], handle.metrics["filled_bytes"]) == ("", 0)
+
+
+@needs_fill
+def test_cached_pages_stay_mapped_a_block_at_most_and_a_chunk_under_a_memory_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a limit a reader unmaps the file pages it placed from the cache once per block
+    (fewer TLB flushes); under a memory_limit the caller set, after every chunk, so that little but
+    the limit's buffers is resident. Bit-exact both ways."""
+    written = write_checkpoint(tmp_path, _tensors(9), shards=2)
+    for path in written.shards:
+        path.read_bytes()
+    views: list[int] = []
+    opened = native.PageFill.open.__func__  # type: ignore[attr-defined]
+
+    def recording_open(
+        cls: type[native.PageFill], mapped_view_bytes: int
+    ) -> tuple[native.PageFill | None, str]:
+        views.append(mapped_view_bytes)
+        return opened(cls, mapped_view_bytes=mapped_view_bytes)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(native.PageFill, "open", classmethod(recording_open))
+    for limit in (None, 32 * MiB):
+        with streamer.open(written.source, config=config(**FILLING, memory_limit=limit)) as handle:
+            assert_same_dict(dict(iter(handle)), written.tensors)
+            assert handle.metrics["mapped_bytes"] > 0
+    assert views == [MAPPED_VIEW_BYTES, native.FILL_CHUNK]
 
 
 @needs_fill
@@ -316,7 +344,8 @@ def test_o_direct_reads_without_it_are_faulted_in_ahead(
     if not takes_direct_io(tmp_path):
         pytest.skip(f"{tmp_path} does not open files with O_DIRECT (tmpfs)")
     if without == "refused":
-        monkeypatch.setattr(native.PageFill, "open", classmethod(lambda cls: (None, "userfaultfd refused")))
+        refuse = classmethod(lambda cls, **_: (None, "userfaultfd refused"))
+        monkeypatch.setattr(native.PageFill, "open", refuse)
     if without == "no huge pages":
         monkeypatch.setattr("streamer.run.cpu.transparent_hugepages_kept", lambda: False)
     written = write_checkpoint(tmp_path, _tensors(10), shards=2)
@@ -378,7 +407,7 @@ def test_a_kernel_that_refuses_leaves_the_load_plain(tmp_path: Path, monkeypatch
     """Containers often forbid userfaultfd (seccomp: EPERM): the load goes on without it and says why."""
     written = write_checkpoint(tmp_path, _tensors(4))
     refused = "userfaultfd refused: Operation not permitted"
-    monkeypatch.setattr(native.PageFill, "open", classmethod(lambda cls: (None, refused)))
+    monkeypatch.setattr(native.PageFill, "open", classmethod(lambda cls, **_: (None, refused)))
     with streamer.open(written.source, config=config(**FILLING)) as handle:
         assert_same_dict(dict(iter(handle)), written.tensors)
         assert handle.metrics["page_fill"] == refused

@@ -28,7 +28,7 @@ extern "C" {
 
 /* Bumped on every change to a struct layout, a signature or a constant below. The binding
  * refuses a library whose se_abi_version() differs from the header it was installed with. */
-#define SE_ABI_VERSION 8
+#define SE_ABI_VERSION 9
 
 /* O_DIRECT reads need offset, length and destination on multiples of this. */
 #define SE_DIRECT_ALIGNMENT 4096
@@ -170,13 +170,17 @@ int32_t se_engine_fail(se_engine *engine, const se_error_info *info);
  *
  * se_engine_set_fill() lends the engine a page fill for its SE_BLOCK_FILL blocks; the caller keeps
  * it open until se_engine_destroy() returns. A filled page that already exists (EEXIST) is
- * written plainly; any other refusal fails the run with SE_ERR_FILL.
+ * written plainly; any other refusal fails the run with SE_ERR_FILL. Chunks of a buffered file
+ * that the page cache holds are placed from a mapping of the file: each reader unmaps the pages it
+ * placed once they span view_bytes, and at each block's end (0: after every chunk). Those pages
+ * count in the process's resident set while mapped, up to readers x view_bytes; each unmapping
+ * costs a TLB flush on every core running the process.
  */
 int32_t se_fill_open(int32_t *fill_fd, int32_t *sys_errno);
 int32_t se_fill_register(int32_t fill_fd, void *ptr, size_t size, int32_t *sys_errno);
 int32_t se_fill_unregister(int32_t fill_fd, void *ptr, size_t size, int32_t *sys_errno);
 void se_fill_close(int32_t fill_fd);
-int32_t se_engine_set_fill(se_engine *engine, int32_t fill_fd);
+int32_t se_engine_set_fill(se_engine *engine, int32_t fill_fd, uint64_t view_bytes);
 
 /* Queues blocks behind those already queued (FIFO). A batch with an invalid block
  * (bad index, empty or misplaced credited range, a unit of another file, an unknown flag, a

@@ -25,6 +25,12 @@ typedef struct se_file {
     uint64_t map_length; /* the file's size when it was mapped */
 } se_file;
 
+/* The page fill a reader places SE_BLOCK_FILL blocks through (se_engine_set_fill). */
+typedef struct {
+    int fd;              /* the userfaultfd (borrowed) */
+    uint64_t view_bytes; /* a reader unmaps the file pages it placed once they span this much */
+} page_fill;
+
 struct se_engine {
     pthread_mutex_t lock;
     pthread_cond_t work_ready; /* a block was queued, or the run stopped */
@@ -50,7 +56,7 @@ struct se_engine {
     size_t done_head;
     size_t done_tail;
 
-    int fill_fd; /* the page fill SE_BLOCK_FILL blocks go through (borrowed), -1: none */
+    page_fill fill; /* what SE_BLOCK_FILL blocks go through; fill.fd -1: none */
 
     int stopping; /* destroy: workers exit once idle */
     int cancelled;
@@ -142,21 +148,16 @@ static int place_from_cache(const se_file *file, int fill_fd, char *dst, uint64_
     return placed && fstat(file->buffered_fd, &now) == 0 && (uint64_t)now.st_size >= offset + length;
 }
 
-/* This process's view of the file pages placed from the cache is unmapped every FILL_VIEW_BYTES
- * (and at a block's end), so that the resident set stays the tensors (the cache keeps the pages)
- * give or take that much per reader. Each unmapping flushes the TLB of every core running the
- * process: once per 8 MiB block made a warm 1 GiB load 1.15x faster than once per 1 MiB chunk, but
- * 8 readers' mapped pages then broke a streaming load's RSS bound; every 4 MiB keeps it. */
-#define FILL_VIEW_BYTES (4u << 20)
-
 /* The span of a file's mapping that a reader placed pages from and has not unmapped yet. */
 typedef struct {
     uint64_t begin;
     uint64_t end;
 } mapped_view;
 
-/* Unmaps the view once it spans at least min_bytes (0: whatever it spans). Failing only leaves the
- * pages mapped, no byte differs. */
+/* Unmaps the view once it spans at least min_bytes (0: whatever it spans), so that the resident
+ * set stays the tensors (the cache keeps the pages) give or take min_bytes per reader. Each
+ * unmapping flushes the TLB of every core running the process. Failing only leaves the pages
+ * mapped, no byte differs. */
 static void unmap_view(const se_file *file, mapped_view *view, uint64_t min_bytes) {
     if (view->end > view->begin && view->end - view->begin >= min_bytes) {
         (void)madvise((char *)file->map + view->begin, (size_t)(view->end - view->begin), MADV_DONTNEED);
@@ -169,20 +170,20 @@ static void unmap_view(const se_file *file, mapped_view *view, uint64_t min_byte
  * chunk's whole pages through the page fill, a last page cut short by the end of the file completed
  * with zeros; a chunk the page cache holds goes straight from the file's mapping (view: what of it
  * is still mapped). Returns like read_block; SE_ERR_FILL with *sys_errno if placing failed. */
-static int32_t fill_chunks(int fd, const se_file *file, int fill_fd, char *bounce, const se_block *b,
-                           mapped_view *view, uint64_t *got, uint64_t *filled, uint64_t *mapped,
-                           int *sys_errno) {
+static int32_t fill_chunks(int fd, const se_file *file, const page_fill *fill, char *bounce,
+                           const se_block *b, mapped_view *view, uint64_t *got, uint64_t *filled,
+                           uint64_t *mapped, int *sys_errno) {
     char *dst = (char *)b->dst;
     uint64_t chunk = fd == file->buffered_fd ? SE_FILL_CHUNK : SE_FILL_DIRECT_CHUNK;
     uint64_t done = 0;
     while (done < b->read_length) {
         uint64_t want = b->read_length - done < chunk ? b->read_length - done : chunk;
-        if (place_from_cache(file, fill_fd, dst + done, b->read_offset + done, want)) {
+        if (place_from_cache(file, fill->fd, dst + done, b->read_offset + done, want)) {
             *filled += want;
             *mapped += want;
             done += want;
             view->end = b->read_offset + done;
-            unmap_view(file, view, FILL_VIEW_BYTES);
+            unmap_view(file, view, fill->view_bytes);
             continue;
         }
         uint64_t have = 0;
@@ -193,7 +194,7 @@ static int32_t fill_chunks(int fd, const se_file *file, int fill_fd, char *bounc
         }
         size_t pages = (size_t)(have + SE_DIRECT_ALIGNMENT - 1) / SE_DIRECT_ALIGNMENT * SE_DIRECT_ALIGNMENT;
         memset(bounce + have, 0, pages - (size_t)have);
-        if (pages > 0 && se_fill_place(fill_fd, dst + done, bounce, pages, sys_errno) != 0) {
+        if (pages > 0 && se_fill_place(fill->fd, dst + done, bounce, pages, sys_errno) != 0) {
             *got = done;
             return SE_ERR_FILL;
         }
@@ -208,10 +209,11 @@ static int32_t fill_chunks(int fd, const se_file *file, int fill_fd, char *bounc
 }
 
 /* fill_chunks, then what it left of the file's mapping mapped is unmapped. */
-static int32_t fill_block(int fd, const se_file *file, int fill_fd, char *bounce, const se_block *b,
-                          uint64_t *got, uint64_t *filled, uint64_t *mapped, int *sys_errno) {
+static int32_t fill_block(int fd, const se_file *file, const page_fill *fill, char *bounce,
+                          const se_block *b, uint64_t *got, uint64_t *filled, uint64_t *mapped,
+                          int *sys_errno) {
     mapped_view view = {.begin = b->read_offset, .end = b->read_offset};
-    int32_t status = fill_chunks(fd, file, fill_fd, bounce, b, &view, got, filled, mapped, sys_errno);
+    int32_t status = fill_chunks(fd, file, fill, bounce, b, &view, got, filled, mapped, sys_errno);
     unmap_view(file, &view, 0);
     return status;
 }
@@ -271,7 +273,7 @@ static void *worker_main(void *arg) {
         se_block block = e->queue[e->queue_head++];
         se_file file = e->files[block.file]; /* add_file may move the table once unlocked */
         int fill = (block.flags & SE_BLOCK_FILL) != 0;
-        int fill_fd = e->fill_fd;
+        page_fill lent_fill = e->fill;
         int fd = file.fd != file.buffered_fd && !direct_aligned(&block) ? file.buffered_fd : file.fd;
         if (fd == file.buffered_fd && !fill) {
             trim_to_credited(&block);
@@ -289,7 +291,7 @@ static void *worker_main(void *arg) {
         } else if (bounce == NULL && (bounce = new_bounce()) == NULL) {
             status = SE_ERR_NOMEM;
         } else {
-            status = fill_block(fd, &file, fill_fd, bounce, &block, &got, &filled, &mapped, &sys_errno);
+            status = fill_block(fd, &file, &lent_fill, bounce, &block, &got, &filled, &mapped, &sys_errno);
         }
         double read_seconds = now_seconds() - read_start;
 
@@ -420,7 +422,7 @@ se_engine *se_engine_create(uint32_t n_workers, const se_unit *units, uint32_t n
         return NULL;
     }
     e->n_units = n_units;
-    e->fill_fd = -1;
+    e->fill.fd = -1;
     e->error.code = SE_OK;
     e->error.file = -1;
     e->n_workers = n_workers;
@@ -474,7 +476,7 @@ static int32_t append_file(se_engine *e, se_file file) {
     }
     int32_t index = e->n_files++;
     e->files[index] = file;
-    if (e->fill_fd >= 0) {
+    if (e->fill.fd >= 0) {
         map_for_fill(&e->files[index]);
     }
     pthread_mutex_unlock(&e->lock);
@@ -529,12 +531,12 @@ int32_t se_engine_add_file(se_engine *e, const char *path, int32_t want_direct, 
     return index;
 }
 
-int32_t se_engine_set_fill(se_engine *e, int32_t fill_fd) {
+int32_t se_engine_set_fill(se_engine *e, int32_t fill_fd, uint64_t view_bytes) {
     if (fill_fd < 0) {
         return SE_ERR_INVALID;
     }
     pthread_mutex_lock(&e->lock);
-    e->fill_fd = fill_fd;
+    e->fill = (page_fill){.fd = fill_fd, .view_bytes = view_bytes};
     for (int32_t i = 0; i < e->n_files; i++) {
         map_for_fill(&e->files[i]);
     }
@@ -552,7 +554,7 @@ static int flags_are_valid(const se_engine *e, const se_block *b, int external) 
     if (b->flags == 0) {
         return 1;
     }
-    return b->flags == SE_BLOCK_FILL && !external && e->fill_fd >= 0 && direct_aligned(b);
+    return b->flags == SE_BLOCK_FILL && !external && e->fill.fd >= 0 && direct_aligned(b);
 }
 
 /* Caller holds the lock. external: the block must be of an external file (else of a local one). */

@@ -980,6 +980,27 @@ static int is_mapped(const char *path) {
     return found;
 }
 
+/* KiB of this process's mappings of path that are resident (smaps "Rss"). */
+static long mapped_rss_kib(const char *path) {
+    FILE *smaps = fopen("/proc/self/smaps", "r");
+    CHECK(smaps != NULL);
+    char line[8192];
+    int in_path = 0;
+    long total = 0;
+    while (fgets(line, sizeof(line), smaps) != NULL) {
+        unsigned long start = 0;
+        unsigned long end = 0;
+        long kib = 0;
+        if (sscanf(line, "%lx-%lx ", &start, &end) == 2) {
+            in_path = strstr(line, path) != NULL; /* a mapping's first line: "start-end perms ... path" */
+        } else if (in_path && sscanf(line, "Rss: %ld kB", &kib) == 1) {
+            total += kib;
+        }
+    }
+    CHECK_EQ(fclose(smaps), 0);
+    return total;
+}
+
 /* Whether the page cache holds every page of [offset, offset + length) of fd (whole pages). */
 static int all_cached(int fd, uint64_t offset, uint64_t length) {
     unsigned char resident[1024];
@@ -1018,7 +1039,7 @@ static void test_page_fill_of_o_direct_blocks_past_a_chunk(void) {
     size_t n = fill_blocks(units, 2, size, SE_FILL_DIRECT_CHUNK + 3 * MIB, dst, blocks);
     se_engine *e = engine_new(2, units, 2);
     CHECK_EQ(engine_add(e, f.path, 1, NULL), 0);
-    CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+    CHECK_EQ(se_engine_set_fill(e, fill_fd, 4 * MIB), SE_OK);
     CHECK_EQ(se_engine_submit(e, blocks, n), SE_OK);
     uint8_t seen[2] = {0, 0};
     collect(e, seen, 2, 2, 2);
@@ -1059,7 +1080,7 @@ static void test_page_fill_of_a_file_cut_after_mapping(void) {
         CHECK_EQ(se_fill_register(fill_fd, dst, 4 * MIB, &sys_errno), SE_OK);
         se_engine *e = engine_new(2, units, 1);
         CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
-        CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+        CHECK_EQ(se_engine_set_fill(e, fill_fd, 4 * MIB), SE_OK);
         CHECK_EQ(ftruncate(f.fd, (off_t)cuts[i]), 0);
         se_block block = {0, 0, 0, SE_BLOCK_FILL, 5000, 2 * MIB + 3, 4096, 2 * MIB, dst + 4096};
         CHECK_EQ(se_engine_submit(e, &block, 1), SE_OK);
@@ -1092,7 +1113,11 @@ static void test_page_fill(void) {
     const se_unit units[3] = {{0, 10, 5000, 0}, {0, 5000, 2 * MIB + 3, 0}, {0, 2 * MIB + 3, size, 0}};
     se_block blocks[64];
 
-    for (int direct = 0; direct <= 1; direct++) {
+    /* Buffered with the file's pages unmapped after every chunk and only at each block's end (a
+     * view larger than any block), then O_DIRECT. */
+    const uint64_t views[3] = {0, 8 * MIB, 0};
+    for (int variant = 0; variant < 3; variant++) {
+        const int direct = variant == 2;
         unsigned char *dst = se_alloc(mapped, 0);
         CHECK(dst != NULL);
         dst[MIB + 8192] = 7; /* a page that exists before the fill */
@@ -1102,9 +1127,9 @@ static void test_page_fill(void) {
         int32_t is_direct = 0;
         CHECK_EQ(engine_add(e, f.path, direct, &is_direct), 0);
         CHECK_EQ(se_engine_submit(e, blocks, 1), SE_ERR_INVALID); /* no page fill lent yet */
-        CHECK_EQ(se_engine_set_fill(e, -1), SE_ERR_INVALID);
+        CHECK_EQ(se_engine_set_fill(e, -1, 0), SE_ERR_INVALID);
         CHECK(!is_mapped(f.path)); /* an engine without a page fill maps nothing */
-        CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+        CHECK_EQ(se_engine_set_fill(e, fill_fd, views[variant]), SE_OK);
         CHECK_EQ(is_mapped(f.path), !is_direct);
         se_block bad = blocks[0];
         bad.read_length -= 512; /* not whole pages */
@@ -1122,6 +1147,7 @@ static void test_page_fill(void) {
         /* A buffered file just written is in the page cache: its whole pages come from its
          * mapping, the last page (cut short by the end of the file) from a read. */
         CHECK_EQ(stats.bytes_mapped, is_direct ? 0 : size / 4096 * 4096);
+        CHECK_EQ(mapped_rss_kib(f.path), 0); /* every block's pages unmapped at its end */
         se_engine_destroy(e);
         CHECK(!is_mapped(f.path));
         CHECK_EQ(se_fill_unregister(fill_fd, dst, mapped, &sys_errno), SE_OK);
@@ -1138,7 +1164,7 @@ static void test_page_fill(void) {
     CHECK_EQ(se_fill_register(fill_fd, dst, mapped, &sys_errno), SE_OK);
     se_engine *e = engine_new(1, units, 3);
     CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
-    CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+    CHECK_EQ(se_engine_set_fill(e, fill_fd, 4 * MIB), SE_OK);
     const se_block plain = plain_block(0, 0, 0, 10, 5000, dst);
     CHECK_EQ(se_engine_submit(e, &plain, 1), SE_OK);
     CHECK_EQ(wait_for_error(e), SE_ERR_READ);
@@ -1150,7 +1176,7 @@ static void test_page_fill(void) {
     /* A page-fill block past the end of the file: truncated, like any read. */
     e = engine_new(1, units, 3);
     CHECK_EQ(engine_add(e, f.path, 0, NULL), 0);
-    CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+    CHECK_EQ(se_engine_set_fill(e, fill_fd, 4 * MIB), SE_OK);
     se_block past = {0, 2, 2, SE_BLOCK_FILL, 3 * MIB, size + 5000, 3 * MIB, MIB, dst + 3 * MIB};
     CHECK_EQ(se_engine_submit(e, &past, 1), SE_OK);
     CHECK_EQ(wait_for_error(e), SE_ERR_TRUNCATED);
@@ -1162,7 +1188,7 @@ static void test_page_fill(void) {
     CHECK_EQ(fdatasync(f.fd), 0);
     CHECK_EQ(posix_fadvise(f.fd, 0, 0, POSIX_FADV_DONTNEED), 0);
     int cached = all_cached(f.fd, MIB, MIB); /* a tmpfs keeps its pages */
-    CHECK_EQ(se_engine_set_fill(e, fill_fd), SE_OK);
+    CHECK_EQ(se_engine_set_fill(e, fill_fd, 4 * MIB), SE_OK);
     se_block middle = {0, 1, 1, SE_BLOCK_FILL, MIB, 2 * MIB, MIB, MIB, dst + MIB};
     CHECK_EQ(se_engine_submit(e, &middle, 1), SE_OK);
     wait_blocks_done(e, 1);

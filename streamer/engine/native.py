@@ -63,6 +63,7 @@ ERR_THREAD = _CONSTANTS["SE_ERR_THREAD"]
 ERR_EXTERNAL = _CONSTANTS["SE_ERR_EXTERNAL"]
 ERR_FILL = _CONSTANTS["SE_ERR_FILL"]
 BLOCK_FILL = _CONSTANTS["SE_BLOCK_FILL"]
+FILL_CHUNK = _CONSTANTS["SE_FILL_CHUNK"]
 
 ffi = _ffi.ffi
 _BLOCK_FIELDS: Mapping[str, tuple[Any, ...]] = BLOCK_DTYPE.fields or {}
@@ -167,7 +168,7 @@ class Engine:
 
     def set_fill(self, fill: PageFill) -> None:
         """Lends the engine ``fill`` for its ``BLOCK_FILL`` blocks; it must stay open until ``close``."""
-        status = self._lib.se_engine_set_fill(self._handle, fill.fd)
+        status = self._lib.se_engine_set_fill(self._handle, fill.fd, fill.mapped_view_bytes)
         if status != OK:
             _raise_status(status, "lending the page fill")
 
@@ -255,13 +256,18 @@ class Engine:
 
 class PageFill:
     """Fresh pages created holding the bytes read into them (``se_fill_open``): no page fault, no
-    zeroing. A registered page must not be touched until it is filled or unregistered."""
+    zeroing. A registered page must not be touched until it is filled or unregistered.
 
-    def __init__(self, fd: int) -> None:
+    ``mapped_view_bytes``: how much of a file's mapping each reader keeps mapped, placing cached
+    pages from it, before it unmaps them (``se_engine_set_fill``): resident memory on one side, a
+    TLB flush on every core per unmapping on the other."""
+
+    def __init__(self, fd: int, mapped_view_bytes: int) -> None:
         self.fd = fd
+        self.mapped_view_bytes = mapped_view_bytes
 
     @classmethod
-    def open(cls) -> tuple[PageFill | None, str]:
+    def open(cls, mapped_view_bytes: int = FILL_CHUNK) -> tuple[PageFill | None, str]:
         """A page fill and "", or None and why not (the kernel or a seccomp filter refused)."""
         page = os.sysconf("SC_PAGE_SIZE")
         if page != DIRECT_ALIGNMENT:  # blocks are cut in 4 KiB pages
@@ -270,7 +276,7 @@ class PageFill:
         sys_errno = ffi.new("int32_t *")
         if _lib().se_fill_open(fd, sys_errno) != OK:
             return None, f"userfaultfd refused: {os.strerror(sys_errno[0])}"
-        return cls(int(fd[0])), ""
+        return cls(int(fd[0]), mapped_view_bytes), ""
 
     def register(self, address: int, size: int) -> bool:
         """Makes the pages of ``[address, address + size)`` fillable; False where the kernel refuses."""

@@ -32,6 +32,12 @@ from streamer.plan.selection import Selection
 from streamer.run.driver import Submit, Tally, buffer_segments
 
 _SLACK = 2 * DIRECT_IO_ALIGNMENT  # a buffer rounds its tensors' span out to the alignment at both ends
+# Each reader places cached pages from a mapping of the file and unmaps them once they span this
+# much (and at each block's end): a TLB flush on every core per unmapping against readers x this
+# much of file pages resident. Once per 8 MiB block loaded 1 GiB warm 1.10x [1.02, 1.25] faster
+# than every 4 MiB (2-core VM, 13 paired rounds, 2026-12-02). Under a memory_limit the caller set,
+# pages are unmapped after every chunk (``native.FILL_CHUNK``): nothing outside the limit stays.
+MAPPED_VIEW_BYTES = 8 << 20
 
 
 class CpuSink(Tally):
@@ -114,7 +120,8 @@ class CpuSink(Tally):
             for segment in self._segments
         ]
         if any(self._fill_extents):
-            self._page_fill, refused = native.PageFill.open()
+            view = native.FILL_CHUNK if self._explicit_limit else MAPPED_VIEW_BYTES
+            self._page_fill, refused = native.PageFill.open(mapped_view_bytes=view)
             self.metrics.page_fill = refused or "on"
         return self._page_fill
 
