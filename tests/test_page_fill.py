@@ -306,6 +306,27 @@ def test_o_direct_reads_under_a_memory_limit_keep_to_it(tmp_path: Path) -> None:
 
 @needs_fill
 @needs_huge_pages
+def test_o_direct_fills_under_an_automatic_budget_charge_the_readers_buffers(tmp_path: Path) -> None:
+    """The readers' 8 MiB buffers that O_DIRECT blocks are filled through live as long as the run:
+    an automatic budget counts them; an unlimited load has no budget to charge."""
+    if not takes_direct_io(tmp_path):
+        pytest.skip(f"{tmp_path} does not open files with O_DIRECT (tmpfs)")
+    written = write_checkpoint(tmp_path, _tensors(10), shards=2)
+    readers = 3
+    bounce = readers * native.FILL_DIRECT_CHUNK
+    assert written.nbytes < bounce // 2  # the tensors' buffers alone never reach the charge
+    for limit in (None, UNLIMITED):
+        cfg = config(page_fill=True, io_mode="direct", memory_limit=limit, concurrency=readers)
+        with streamer.open(written.source, config=cfg) as handle:
+            assert_same_dict(dict(iter(handle)), written.tensors)
+            metrics = handle.metrics
+        assert metrics["direct_files"] == 2 and metrics["filled_bytes"] >= written.nbytes, metrics
+        assert metrics["memory_limit_source"].startswith("auto" if limit is None else "unlimited"), metrics
+        assert (metrics["peak_buffer_bytes"] >= bounce) is (limit is None), metrics
+
+
+@needs_fill
+@needs_huge_pages
 @pytest.mark.parametrize("cut_at", ["inside a chunk", "at a chunk's end"])
 def test_a_file_cut_short_during_an_o_direct_fill_names_it_and_hands_out_only_exact_tensors(
     tmp_path: Path, cut_at: str

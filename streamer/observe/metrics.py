@@ -23,7 +23,9 @@ class LoadMetrics:
     consumer_wait_seconds: float = 0.0
     memory_wait_seconds: float = 0.0
     alloc_seconds: float = 0.0
-    peak_buffer_bytes: int = 0  # CPU streaming: tensor bytes charged to the budget at most at once
+    # CPU streaming: bytes charged to the budget at most at once (tensors' buffers, and the
+    # readers' buffers of an O_DIRECT page fill under an automatic budget)
+    peak_buffer_bytes: int = 0
     memory_limit: int | None = None  # CPU streaming: the budget in force (None: unbounded)
     memory_limit_source: str = ""  # CPU streaming: "user", "unlimited" or "auto: <how it was sized>"
     buffers_reused: int = 0  # CPU loads: segments read into a buffer whose views had all died

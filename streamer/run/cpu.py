@@ -59,6 +59,7 @@ class CpuSink(Tally):
         self._position = selection.positions()  # unit -> position in refs
         budget = streaming_budget(config, [r.entry.nbytes for r in self._loaded])
         self._explicit_limit = config.explicit_memory_limit is not None
+        self._readers = config.readers()
         # Segments of small tensors span at most a quarter of the limit: four buffers fit it.
         segment_bytes = None if budget.limit is None else max(DIRECT_IO_ALIGNMENT, budget.limit // 4 - _SLACK)
         self._segments = buffer_segments(self._units, config, segment_bytes, request_bytes, delivery)
@@ -110,8 +111,9 @@ class CpuSink(Tally):
             return None
         # An O_DIRECT read is fast only into physically contiguous pages: its blocks are filled
         # from each reader's buffer only where that buffer gets huge pages. Those buffers (8 MiB a
-        # reader) are outside the memory budget: under a memory_limit the caller set, the pages
-        # are faulted in ahead instead, so that nothing but the limit's buffers is resident.
+        # reader) live as long as the run: an automatic budget is charged with them; under a
+        # memory_limit the caller set, the pages are faulted in ahead instead, so that nothing but
+        # the limit's buffers is resident.
         direct_fill = transparent_hugepages_kept() and not self._explicit_limit
         self._fill_extents = [
             segment.filled_extent(DIRECT_IO_ALIGNMENT)
@@ -123,6 +125,9 @@ class CpuSink(Tally):
             view = native.FILL_CHUNK if self._explicit_limit else MAPPED_VIEW_BYTES
             self._page_fill, refused = native.PageFill.open(mapped_view_bytes=view)
             self.metrics.page_fill = refused or "on"
+            filling_direct = direct_fill and FileRead.DIRECT in file_reads
+            if self._page_fill is not None and filling_direct and self._budget.limit is not None:
+                self._budget.try_reserve(self._readers * native.FILL_DIRECT_CHUNK, force=True)
         return self._page_fill
 
     def submit_what_fits(self, submit: Submit) -> bool:
