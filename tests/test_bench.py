@@ -822,6 +822,19 @@ def test_measure_round_reads_at_the_ceiling_s_best_reader_count(tmp_path: Path) 
     assert found.rounds[0]["gbps"] > 0
 
 
+def test_the_machine_s_dirty_pages_are_written_out_before_the_first_timed_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Writeback of what was written just before (an install) must not land in the first rounds."""
+    events: list[str] = []
+    monkeypatch.setattr(cli.os, "sync", lambda: events.append("sync"))
+    monkeypatch.setattr(cli, "run_sections", lambda *args: events.append("runs"))
+    monkeypatch.setattr(cli, "memory_ceilings", lambda *args: events.append("memory") or [])
+    args = arguments.parse_args(["--synthetic", "1MiB"])
+    cli.measure(args, None, [], {}, cli.Progress(True))  # type: ignore[arg-type]
+    assert events == ["sync", "runs", "memory"]
+
+
 def test_a_buffered_cold_ceiling_run_starts_after_the_settle_as_a_load_does(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

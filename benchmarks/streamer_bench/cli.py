@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -355,6 +356,19 @@ def run_sections(
         sections.append({**report.section(state, configs, found), "stopped": stopped})
 
 
+def flush_writeback(progress: Progress) -> None:
+    """Writes the machine's dirty pages out (sync(2)) before the first timed run.
+
+    What was written just before, such as the main job's ~1 GB install, is otherwise written back
+    about 30 s later (``vm.dirty_expire_centisecs``), through the first rounds: after copying that
+    install, 1 GiB warm loads 3 s apart took 2.09, 0.85, 1.35, 1.02 s (at 2x their CPU seconds)
+    for ~40 s; after a sync (0.9 s), 0.18-0.35 s from the first (2-core VM, 2026-12-02).
+    """
+    started = time.monotonic()
+    os.sync()
+    progress(f"wrote the machine's dirty pages out (sync) in {time.monotonic() - started:.1f} s")
+
+
 def measure(
     args: argparse.Namespace,
     checkpoint: CheckpointFiles,
@@ -367,6 +381,7 @@ def measure(
     sections: list[dict[str, Any]] = []
     memory: list[ceilings.Ceiling] = []
     try:
+        flush_writeback(progress)
         run_sections(args, checkpoint, planned, progress, sections)
         memory = memory_ceilings(args, checkpoint, probed, progress)
     except runner.Interrupted as stop:
