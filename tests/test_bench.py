@@ -812,6 +812,23 @@ def test_cold_loads_are_divided_by_the_ceiling_of_their_own_round(
     assert "  streamer default: 0.80x [0.80, 0.80] over 5 rounds" in text
 
 
+def test_a_ceiling_measured_before_each_round_is_the_median_of_all_its_runs() -> None:
+    """The table divides by the median of every run at the ceiling's reader count: those before
+    the section (other reader counts left out) and those before the rounds."""
+    ceiling = ceilings.Ceiling("read_buffered", "cold", 2.5, "fio", "8 job(s)", jobs=8)
+    ceiling.samples = [{"jobs": 4, "gbps": 9.0}, {"jobs": 8, "gbps": 2.0}, {"jobs": 8, "gbps": 3.0}]
+    ceiling.samples.append({"jobs": 8, "error": "eviction left pages resident"})
+    ceiling.rounds = [{"round": r, "gbps": g} for r, g in enumerate([1.0, 1.2, 1.4])]
+    ceilings.fold_rounds(ceiling)
+    assert ceiling.gbps == pytest.approx(1.4)  # of 1.0, 1.2, 1.4, 2.0 and 3.0: the 4-job 9.0 is not one
+    assert ceiling.detail == (
+        "8 job(s), 1 MiB reads, median of 5: 2 before the section, 3 before its rounds (min-max 1.00-3.00)"
+    )
+    unmeasured = ceilings.Ceiling("read_direct", "cold", 1.1, "fio", "2 job(s)", jobs=2)
+    ceilings.fold_rounds(unmeasured)
+    assert (unmeasured.gbps, unmeasured.detail) == (1.1, "2 job(s)")
+
+
 def test_measure_round_reads_at_the_ceiling_s_best_reader_count(tmp_path: Path) -> None:
     made = synthetic.generate(tmp_path, 8 * MiB, 2)
     (found,) = ceilings.storage_ceilings(made.files, "warm", lambda: None, modes=("buffered",), use_fio=False)

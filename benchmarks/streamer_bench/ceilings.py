@@ -256,6 +256,26 @@ def measure_round(
         ceiling.rounds.append({"round": round_index, "gbps": gbps(nbytes, seconds)})
 
 
+def fold_rounds(ceiling: Ceiling) -> None:
+    """Once a section's rounds are done, a read ceiling measured again before each of them is the
+    median of every run at its reader count: those before the section and those before the rounds.
+
+    Runs before the section follow each other; those before the rounds follow loads, as loads do.
+    They read at different rates on VMs (the 05:46 main job of 2026-12-02: 1.78 and 2.84 GB/s
+    before the section, ~1.3 before its rounds), and the table divides by one figure: the one from
+    all of them.
+    """
+    if not ceiling.rounds or ceiling.jobs is None:
+        return
+    before = [float(s["gbps"]) for s in ceiling.samples if s.get("jobs") == ceiling.jobs and s.get("gbps")]
+    values = before + [float(r["gbps"]) for r in ceiling.rounds]
+    ceiling.gbps = statistics.median(values)
+    ceiling.detail = (
+        f"{ceiling.jobs} job(s), {READ_BLOCK >> 20} MiB reads, median of {len(values)}: {len(before)} before "
+        f"the section, {len(ceiling.rounds)} before its rounds (min-max {min(values):.2f}-{max(values):.2f})"
+    )
+
+
 def remote_ceilings(scheme: str, reference_configs: Sequence[Config]) -> list[Ceiling]:
     """Remote sources: the store's reference loader at its best setting (bytes over its median
     run) as the ceiling (S3: boto3's ranged GETs; GCS, Azure: the SDK's parallel reads); the local
