@@ -13,7 +13,7 @@ in a fresh process, rounds interleaved, and the paired per-round verdicts of str
 against each peer at its best. ``--clock process`` puts interpreter start and imports inside the
 clock too (a server's cold start).
 
-    python benchmarks/s3_load.py --start-servers --keep /var/tmp/s3ck --json /tmp/s3
+    python benchmarks/s3_load.py --start-servers --keep /var/tmp/s3ck --json /tmp/s3  # stops them at the end
     python benchmarks/s3_load.py --endpoints shaped --size 4GiB --repeat 5 --clock process
 
 Needs: pip install runai-model-streamer-s3==0.17.* boto3; nginx with the lua module
@@ -34,18 +34,18 @@ ENDPOINTS = {"shaped": "http://127.0.0.1:9100", "unshaped": "http://127.0.0.1:91
 KEY_ID, SECRET = "testing", "testing12345"  # what s3_server.sh's nanio accepts by default
 
 
-def _start_servers(tools: Path) -> None:
-    script = str(tools / "s3_server.sh")
+def _servers() -> list[tuple[str, dict[str, str]]]:
+    """``s3_server.sh``'s server name and environment for nanio, the shaped and the unshaped endpoint."""
     base = dict(os.environ, AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET)
     run = base.get("S3_RUN_DIR", "/tmp/s3-local")
     data = f"{run}/nanio-data"
-    subprocess.run(["bash", script, "start", "nanio"], env=dict(base, S3_RUN_DIR=run), check=True)
     shaped = dict(base, S3_RUN_DIR=run, S3_STATIC_ROOT=data, S3_DELAY_MS="20", S3_RATE="25m")
-    subprocess.run(["bash", script, "start", "shaper"], env=shaped, check=True)
     plain = dict(base, S3_RUN_DIR=run + "-unshaped", S3_PORT="9101", S3_STATIC_ROOT=data)
-    subprocess.run(
-        ["bash", script, "start", "shaper"], env=dict(plain, S3_DELAY_MS="0", S3_RATE="0"), check=True
-    )
+    return [
+        ("nanio", dict(base, S3_RUN_DIR=run)),
+        ("shaper", shaped),
+        ("shaper", dict(plain, S3_DELAY_MS="0", S3_RATE="0")),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,14 +62,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loaders", default="streamer,runai,safetensors,boto3")
     parser.add_argument("--clock", choices=("load", "process"), default="load")
     parser.add_argument("--keep", type=Path, help="generate the checkpoint here (reused next time)")
-    parser.add_argument("--start-servers", action="store_true")
+    parser.add_argument(
+        "--start-servers",
+        action="store_true",
+        help="start nanio and both endpoints (--s3-tools' s3_server.sh) first, and stop them at the end",
+    )
     tools = Path(__file__).resolve().parents[2] / "shared" / "s3"
     parser.add_argument("--s3-tools", type=Path, default=tools)
     parser.add_argument("--json", type=Path, help="PREFIX: write PREFIX-<endpoint>.json per endpoint")
     parser.add_argument("--baseline", metavar="PYTHON", help="streamer-bench --baseline: A/B another install")
     args = parser.parse_args(argv)
-    if args.start_servers:
-        _start_servers(args.s3_tools)
+    script = str(args.s3_tools / "s3_server.sh")
+    started: list[tuple[str, dict[str, str]]] = []
+    try:
+        for server, env in _servers() if args.start_servers else []:
+            subprocess.run(["bash", script, "start", server], env=env, check=True)
+            started.append((server, env))
+        return _bench(args)
+    finally:  # what --start-servers started is stopped, whatever happened
+        for server, env in reversed(started):
+            subprocess.run(["bash", script, "stop", server], env=env, check=False)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """One streamer-bench run per endpoint; nonzero if any failed."""
     status = 0
     for name in [e for e in args.endpoints.split(",") if e]:
         command = [
