@@ -254,10 +254,11 @@ def measure_round(
         return
     if seconds > 0:
         ceiling.rounds.append({"round": round_index, "gbps": gbps(nbytes, seconds)})
+        fold_rounds(ceiling)
 
 
 def fold_rounds(ceiling: Ceiling) -> None:
-    """Once a section's rounds are done, a read ceiling measured again before each of them is the
+    """A read ceiling measured again before rounds (``measure_round`` calls this after each) is the
     median of every run at its reader count: those before the section and those before the rounds.
 
     Runs before the section follow each other; those before the rounds follow loads, as loads do.

@@ -343,8 +343,6 @@ def run_sections(
                 each_round=each_round,
                 budget=time_budget(args, progress.start, planned, order[i + 1 :]),
             )
-            for ceiling in found:
-                ceilings.fold_rounds(ceiling)
             if args.ceilings and state == "remote":
                 found = ceilings.remote_ceilings(
                     checkpoint.scheme or "s3",
@@ -352,8 +350,6 @@ def run_sections(
                 )
         except runner.Interrupted as stop:
             stop.during = f"{state} runs"
-            for ceiling in found:
-                ceilings.fold_rounds(ceiling)
             if any(c.runs for c in configs):
                 sections.append(report.section(state, configs, found))
             raise
