@@ -716,41 +716,42 @@ def _main_job_settings() -> list[tuple[Setting, list[str]]]:
 
 
 def test_the_budget_of_a_state_keeps_the_later_states_minimum_rounds() -> None:
-    """Warm, run first, keeps cold's 5 rounds of 5 settings (into=touched is cold only), each run
-    weighted as cold, and cold's fio runs: 2 modes x 3 reader counts x 2, and 5 before its rounds,
-    the buffered ones each after the settle, then the memory ceilings. Cold, run last, keeps only
-    the memory ceilings."""
+    """Cold, run first, keeps warm's 5 rounds of 4 settings (into=touched is cold only), each at
+    cold's cost a run, and warm's fio runs (buffered: 3 reader counts x 2), then the memory
+    ceilings. Warm, run last, keeps only the memory ceilings."""
     args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "300", "--settle", "3"])
     planned = _main_job_settings()
-    warm = cli.time_budget(args, 100.0, planned, ["cold"])
-    assert warm is not None and warm.end == 400.0
-    assert warm.later_runs == pytest.approx(5 * 5 * cli.RUN_WEIGHT["cold"])
+    cold = cli.time_budget(args, 100.0, planned, ["warm"])
+    assert cold is not None and cold.end == 400.0
+    assert cold.later_runs == 5 * 4
+    warm_ceilings = cli.ceiling_seconds(args, "warm")
+    assert warm_ceilings == pytest.approx(3 * args.ceiling_repeat * cli.FIO_RUN_SECONDS)
+    assert cold.later_seconds == pytest.approx(warm_ceilings + cli.MEMORY_CEILINGS_SECONDS)
     buffered = 3 * args.ceiling_repeat + 5
     assert cli.ceiling_seconds(args, "cold") == pytest.approx(
         (buffered + 3 * args.ceiling_repeat) * cli.FIO_RUN_SECONDS + buffered * 3.0
     )
-    cold_ceilings = cli.ceiling_seconds(args, "cold")
-    assert warm.later_seconds == pytest.approx(cold_ceilings + cli.MEMORY_CEILINGS_SECONDS)
-    cold = cli.time_budget(args, 100.0, planned, [])
-    assert cold is not None and cold.later_runs == 0 and cold.later_seconds == cli.MEMORY_CEILINGS_SECONDS
-    assert cli.time_budget(arguments.parse_args(["--time-budget", "none"]), 0.0, planned, ["cold"]) is None
+    warm = cli.time_budget(args, 100.0, planned, [])
+    assert warm is not None and warm.later_runs == 0 and warm.later_seconds == cli.MEMORY_CEILINGS_SECONDS
+    assert cli.time_budget(arguments.parse_args(["--time-budget", "none"]), 0.0, planned, ["warm"]) is None
 
 
-def test_the_budget_of_the_10_36_main_job_would_have_ended_warm_in_time() -> None:
-    """The main job that ran 6:17: warm at 4.07 s a run (4 settings), cold then took 150 s with its
-    ceilings and the memory ceilings. The budget now keeps at least that for cold."""
-    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "267"])
-    warm = cli.time_budget(args, 0.0, _main_job_settings(), ["cold"])
-    assert warm is not None
-    assert warm.later_runs * 4.07 + warm.later_seconds >= 145.0
+def test_cold_keeps_what_warm_took_in_the_06_46_main_job() -> None:
+    """The main job of 2026-12-02 06:46: warm's 5 rounds and its ceilings took 100 s (from the first
+    ceiling to the last run), cold's runs came 5.7 s apart. Run first, cold keeps at least that for
+    warm, and the memory ceilings after it."""
+    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "300"])
+    cold = cli.time_budget(args, 0.0, _main_job_settings(), ["warm"])
+    assert cold is not None
+    assert cold.later_runs * 5.7 + cold.later_seconds >= 100.0 + cli.MEMORY_CEILINGS_SECONDS
 
 
-@pytest.mark.parametrize(("budget", "ran"), [("300", ["warm", "cold"]), ("none", ["cold", "warm"])])
-def test_under_a_time_budget_warm_runs_first_and_cold_takes_the_time_left(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str, ran: list[str]
+@pytest.mark.parametrize("budget", ["300", "none"])
+def test_cold_runs_first_and_warm_takes_the_time_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: str
 ) -> None:
-    """Cold, run last, keeps nothing back for a later state's rounds (only the memory ceilings);
-    the report lists the states as asked, cold first, whatever order they ran in."""
+    """Warm, run last, keeps nothing back for a later state's rounds (only the memory ceilings);
+    cold keeps warm's minimum rounds. The report lists the states in the order they ran."""
     made = synthetic.generate(tmp_path, 256 * 1024, 1)
     checkpoint = CheckpointFiles(str(made.index), list(made.files), 256 * 1024, 1)
     args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", budget, "--no-ceilings"])
@@ -766,13 +767,14 @@ def test_under_a_time_budget_warm_runs_first_and_cold_takes_the_time_left(
     monkeypatch.setattr(ceilings, "storage_ceilings", lambda *args, **options: [])
     monkeypatch.setattr(cli, "memory_ceilings", lambda *args: [])
     sections, _, stop = cli.measure(args, checkpoint, planned, {}, cli.Progress(quiet=True))
-    assert stop is None and list(budgets) == ran
+    assert stop is None and list(budgets) == ["cold", "warm"]
     assert [section["cache"] for section in sections] == ["cold", "warm"]
-    cold = budgets["cold"]
+    cold, warm = budgets["cold"], budgets["warm"]
     if budget == "none":
-        assert cold is None
+        assert cold is None and warm is None
     else:
-        assert cold is not None and cold.later_runs == 0 and cold.later_seconds == cli.MEMORY_CEILINGS_SECONDS
+        assert cold is not None and cold.later_runs == 5
+        assert warm is not None and warm.later_runs == 0 and warm.later_seconds == cli.MEMORY_CEILINGS_SECONDS
 
 
 def test_cold_loads_are_divided_by_the_ceiling_of_their_own_round(

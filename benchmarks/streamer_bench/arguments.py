@@ -331,6 +331,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     else:
         if not args.cold and not args.warm:
             args.cold = args.warm = True
+        # Cold first, warm last with the time cold leaves under --time-budget: warm's verdict
+        # against safetensors has the thinnest margin (1.3-1.6x), and the first 60-95 s after the
+        # install slowed every loader 2-15x in 2 of 3 main jobs of 2026-12-02. Run first, warm
+        # spent its minimum rounds there and the budget ended it undecided, while cold then
+        # decided in 5 rounds and left ~55 s unused; cold's verdicts held by 2-8x in such rounds.
         args.states = [s for s, wanted in (("cold", args.cold), ("warm", args.warm)) if wanted]
     args.loaders = args.loaders or default_loaders(scheme)
     if args.safetensors_backends is None:

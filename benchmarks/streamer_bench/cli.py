@@ -229,14 +229,12 @@ def state_runs(
 
 
 # What --time-budget keeps back for what follows the state in progress, from the main job's log
-# (1 GiB checkpoint, 2-core VM; a run there takes ~4.1 s warm): one fio run of a storage ceiling,
-# its cache state reset included, ~1.5 s, and a buffered cold one waits the settle first; the
-# memory ceilings at the end ~10 s; a cold run ~1.15x a warm one (it waits on the disk), while the
-# budget's mean per run is the state in progress'. With a flat 10 s a state and cold's runs at
-# warm's cost, warm took rounds cold then needed: the job of 11-29 10:36 ran 6:17.
+# (1 GiB checkpoint, 2-core VM): one fio run of a storage ceiling, its cache state reset included,
+# ~1.5 s, and a buffered cold one waits the settle first; the memory ceilings at the end ~10 s. A
+# later state's run is taken to cost what one of the state in progress does: warm runs (after cold)
+# came 3.5-12 s apart in the jobs of 2026-12-02, cold ones 4-7 s.
 FIO_RUN_SECONDS = 1.5
 MEMORY_CEILINGS_SECONDS = 10.0
-RUN_WEIGHT = {"cold": 1.15}
 
 
 def ceiling_seconds(args: argparse.Namespace, state: str) -> float:
@@ -260,24 +258,11 @@ def time_budget(
     measure."""
     if args.time_budget is None:
         return None
-    later_runs = sum(
-        args.min_rounds * len(state_runs(args, planned, state)) * RUN_WEIGHT.get(state, 1.0)
-        for state in later
-    )
+    later_runs = sum(args.min_rounds * len(state_runs(args, planned, state)) for state in later)
     reserve = 0.0
     if args.ceilings:
         reserve = sum(ceiling_seconds(args, state) for state in later) + MEMORY_CEILINGS_SECONDS
     return runner.TimeBudget(start + args.time_budget, later_runs, reserve)
-
-
-def run_order(args: argparse.Namespace) -> list[str]:
-    """The order the cache states run in: as asked, except that under --time-budget warm runs
-    before cold. Warm's verdicts are decided within its minimum rounds on our VMs; cold, the
-    noisiest, then gets all the time left, instead of stopping at a guess of what warm will need
-    (the guess left ~45 s of each 6-minute main job unused). The report keeps the asked order."""
-    if args.time_budget is None:
-        return list(args.states)
-    return sorted(args.states, key=lambda state: state != "warm")
 
 
 def run_sections(
@@ -287,11 +272,10 @@ def run_sections(
     progress: Progress,
     sections: list[dict[str, Any]],
 ) -> None:
-    """Appends one section per cache state to ``sections``, in ``run_order``; on
+    """Appends one section per cache state to ``sections``, in ``args.states``' order; on
     ``runner.Interrupted`` the state in progress is appended with the runs it finished before the
     exception goes on."""
-    order = run_order(args)
-    for i, state in enumerate(order):
+    for i, state in enumerate(args.states):
         found: list[ceilings.Ceiling] = []
         runs = state_runs(args, planned, state)
         configs = [runner.Config(setting, files, checkpoint.source) for setting, files in runs]
@@ -341,7 +325,7 @@ def run_sections(
                 undecided=functools.partial(report.undecided, state, configs),
                 prune_after=args.prune_after,
                 each_round=each_round,
-                budget=time_budget(args, progress.start, planned, order[i + 1 :]),
+                budget=time_budget(args, progress.start, planned, args.states[i + 1 :]),
             )
             if args.ceilings and state == "remote":
                 found = ceilings.remote_ceilings(
@@ -387,12 +371,8 @@ def measure(
     except runner.Interrupted as stop:
         stop.during = stop.during or "memory ceilings"  # run_sections names a state it cut short
         progress(f"{stop.signal}: stopped; reporting the runs that finished")
-        return _asked_order(args, sections), memory, stop
-    return _asked_order(args, sections), memory, None
-
-
-def _asked_order(args: argparse.Namespace, sections: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return sorted(sections, key=lambda section: args.states.index(section["cache"]))
+        return sections, memory, stop
+    return sections, memory, None
 
 
 def memory_ceilings(
