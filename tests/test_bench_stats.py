@@ -150,7 +150,27 @@ def test_cpu_seconds_are_paired_beside_the_wall_time() -> None:
         "skipped": [],
     }
     line = next(x for x in report.render(document).splitlines() if x.startswith("  runai"))
-    assert "NOT SEPARABLE (CPU seconds 3.00x [" in line and line.endswith("]: AHEAD)")
+    assert "NOT SEPARABLE (CPU seconds 3.00x [" in line
+    assert line.endswith("]: AHEAD); per round: 0.90x 1.10x 1.00x 1.05x 0.95x 1.00x")
+
+
+def test_an_open_verdict_lists_its_rounds_and_a_decided_one_does_not() -> None:
+    """Round 2's streamer run was slowed (a disturbed host: 5 s where the others took 0.5 s): the
+    interval of 5 rounds then reaches below 1, and the line shows which round held it open."""
+    configs = [
+        _config("streamer", (), [0.5, 5.0, 0.5, 0.5, 0.5]),
+        _config("safetensors", (), [0.9, 0.9, 0.9, 0.9, 0.9]),
+        _config("runai", (), [2.0, 10.0, 2.0, 2.0, 2.0]),
+    ]
+    section = report.section("cold", configs, [])
+    by_loader = {c["loader"]: c for c in section["comparisons"]}
+    assert by_loader["safetensors"]["verdict"] == "not separable"
+    assert by_loader["safetensors"]["per_round"] == pytest.approx([1.8, 0.18, 1.8, 1.8, 1.8])
+    assert by_loader["runai"]["verdict"] == "ahead"
+    lines = [report._comparison_line(c) for c in section["comparisons"]]
+    safetensors, runai = sorted(lines, key=lambda line: "runai" in line)
+    assert safetensors.endswith("; per round: 1.80x 0.18x 1.80x 1.80x 1.80x")
+    assert "per round" not in runai
 
 
 def test_runs_without_cpu_seconds_give_no_cpu_verdict() -> None:

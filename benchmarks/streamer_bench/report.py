@@ -248,6 +248,8 @@ def _comparison_line(c: dict[str, Any]) -> str:
     cpu = c["cpu"]
     if cpu["ratio"] is not None:
         line += f" (CPU seconds {_paired_text(cpu)}: {cpu['verdict'].upper()})"
+    if c["verdict"] == "not separable":  # which rounds held it open: often one the machine slowed
+        line += "; per round: " + " ".join(f"{ratio:.2f}x" for ratio in c["per_round"])
     return line
 
 

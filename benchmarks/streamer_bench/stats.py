@@ -23,13 +23,15 @@ _RESAMPLES = 10_000
 
 @dataclass(frozen=True)
 class PairedRatio:
-    """The peer's time over ours, per round; ``ratio`` is their median, ``low``-``high`` its 95% interval."""
+    """The peer's time over ours, per round; ``ratio`` is their median, ``low``-``high`` its 95% interval,
+    ``per_round`` every round's ratio in round order (one disturbed round can hold a verdict open)."""
 
     rounds: int
     ratio: float | None
     low: float | None
     high: float | None
     verdict: Verdict
+    per_round: tuple[float, ...] = ()
 
 
 def paired_ratios(ours: Mapping[int, float], theirs: Mapping[int, float]) -> list[float]:
@@ -57,7 +59,7 @@ def compare(ours: Mapping[int, float], theirs: Mapping[int, float]) -> PairedRat
         return PairedRatio(0, None, None, None, "too few rounds")
     median = statistics.median(ratios)
     if len(ratios) < MIN_ROUNDS:
-        return PairedRatio(len(ratios), median, None, None, "too few rounds")
+        return PairedRatio(len(ratios), median, None, None, "too few rounds", tuple(ratios))
     low, high = bootstrap_median_interval(ratios)
     verdict: Verdict = "ahead" if low > 1 else "behind" if high < 1 else "not separable"
-    return PairedRatio(len(ratios), median, low, high, verdict)
+    return PairedRatio(len(ratios), median, low, high, verdict, tuple(ratios))
