@@ -777,6 +777,49 @@ def test_cold_runs_first_and_warm_takes_the_time_left(
         assert warm is not None and warm.later_runs == 0 and warm.later_seconds == cli.MEMORY_CEILINGS_SECONDS
 
 
+@pytest.mark.parametrize("ceilings_on", [True, False])
+def test_fresh_memory_is_timed_before_each_round_and_a_slow_round_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ceilings_on: bool
+) -> None:
+    """Before each round's loads (both states), the bench times the first touch of fresh memory;
+    the report names a round where it fell under half its median (a host handing memory out
+    slowly slows every loader there). --no-ceilings measures none."""
+    made = synthetic.generate(tmp_path, 256 * 1024, 1)
+    checkpoint = CheckpointFiles(str(made.index), list(made.files), 256 * 1024, 1)
+    args = arguments.parse_args(["--synthetic", "1MiB", "--time-budget", "none", "--no-ceilings"])
+    args.ceilings = ceilings_on
+    planned = [(Setting("streamer"), [str(f) for f in made.files])]
+    touch_seconds = iter([0.1, 0.5, 0.1, 0.1, 0.1, 0.1])
+
+    def run_section(configs: list[runner.Config], state: str, *args: Any, **options: Any) -> str:
+        if options["each_round"] is not None:
+            for r in range(3):
+                options["each_round"](r)
+        return "stopped"
+
+    monkeypatch.setattr(runner, "run_section", run_section)
+    monkeypatch.setattr(ceilings, "storage_ceilings", lambda *args, **options: [])
+    monkeypatch.setattr(ceilings, "first_touch_seconds", lambda size: next(touch_seconds))
+    monkeypatch.setattr(cli, "memory_ceilings", lambda *args: [])
+    sections, _, _ = cli.measure(args, checkpoint, planned, {}, cli.Progress(quiet=True))
+    cold, warm = sections
+    if not ceilings_on:
+        assert cold["first_touch_rounds"] == [] and warm["first_touch_rounds"] == []
+        assert report._first_touch_line(cold) is None
+        return
+    probe = ceilings.FIRST_TOUCH_PROBE
+    assert cold["first_touch_rounds"] == [
+        {"round": r, "gbps": pytest.approx(probe / s / 1e9)} for r, s in enumerate([0.1, 0.5, 0.1])
+    ]
+    assert [r["round"] for r in warm["first_touch_rounds"]] == [0, 1, 2]
+    line = report._first_touch_line(cold)
+    assert line is not None
+    assert line.startswith("-- cold: first touch of fresh memory before each round (GB/s): 2.68 0.54 2.68;")
+    assert line.endswith("under half its median before round(s) 2: memory came slowly there")
+    steady = report._first_touch_line(warm)
+    assert steady is not None and "slowly" not in steady
+
+
 def test_cold_loads_are_divided_by_the_ceiling_of_their_own_round(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,6 +32,7 @@ from streamer_bench.units import gbps
 # One reader was never the best on the disks measured (buffered at its best with 4-8, O_DIRECT 2-8).
 JOB_COUNTS = (2, 4, 8)
 READ_BLOCK = 1 << 20
+FIRST_TOUCH_PROBE = 256 << 20  # ~0.1 s at this VM's usual 2.8 GB/s
 _DIRECT_ALIGN = 4096
 _LOCAL_READS = ("read_buffered", "read_direct")
 
@@ -332,26 +333,37 @@ def memcpy_ceiling(size: int) -> Ceiling:
     return Ceiling("memcpy", None, best, method, detail, samples)
 
 
-def first_touch_ceiling(size: int, hugepage: bool) -> Ceiling:
+def first_touch_seconds(size: int, hugepage: bool = False) -> float:
     """Writing one byte per 4 KiB page of a fresh MAP_PRIVATE anonymous mapping (one thread)."""
     import numpy as np
 
-    def once() -> float:
-        region = _aligned_buffer(size)
-        if hugepage:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        view = np.frombuffer(region, dtype=np.uint8)
-        start = time.perf_counter()
-        view[::4096] = 1
-        seconds = time.perf_counter() - start
-        del view
-        region.close()
-        return seconds
+    region = _aligned_buffer(size)
+    if hugepage:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    view = np.frombuffer(region, dtype=np.uint8)
+    start = time.perf_counter()
+    view[::4096] = 1
+    seconds = time.perf_counter() - start
+    del view
+    region.close()
+    return seconds
 
-    seconds = min(once() for _ in range(3))
+
+def first_touch_ceiling(size: int, hugepage: bool) -> Ceiling:
+    """The best of 3 ``first_touch_seconds``."""
+    seconds = min(first_touch_seconds(size, hugepage) for _ in range(3))
     name = "first_touch_hugepage" if hugepage else "first_touch"
     pages = "MADV_HUGEPAGE" if hugepage else "4 KiB pages"
     return Ceiling(name, None, gbps(size, seconds), "mmap", f"{size >> 20} MiB, {pages}, 1 thread, best of 3")
+
+
+def first_touch_round(round_index: int, into: list[dict[str, Any]], size: int = FIRST_TOUCH_PROBE) -> None:
+    """How fast the machine hands out fresh memory just before round ``round_index``'s loads
+    (``{"round", "gbps"}`` appended to ``into``). On a VM the host backs that memory, and at times
+    slowly: in the 08:41 main job of 2026-12-02 the kernel handed out ~60k pages a second for a
+    minute (first touch at the end: 2.8 GB/s), and every load that faults fresh pages took 5-10x
+    longer. The memory ceilings, measured last, do not see such a minute; this shows its rounds."""
+    into.append({"round": round_index, "gbps": gbps(size, first_touch_seconds(size))})
 
 
 def h2d_ceiling(size: int, device: str) -> Ceiling:

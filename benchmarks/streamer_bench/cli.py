@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -277,6 +277,7 @@ def run_sections(
     exception goes on."""
     for i, state in enumerate(args.states):
         found: list[ceilings.Ceiling] = []
+        touches: list[dict[str, Any]] = []
         runs = state_runs(args, planned, state)
         configs = [runner.Config(setting, files, checkpoint.source) for setting, files in runs]
         try:
@@ -300,14 +301,15 @@ def run_sections(
                     progress=progress,
                 )
             each_round = None
-            reads = [c for c in found if c.name in ("read_buffered", "read_direct") and c.gbps]
-            if state == "cold" and reads:  # cold reads drift most: each round gets its own ceiling
-                best_read = max(reads, key=lambda c: c.gbps or 0.0)
+            if args.ceilings and state != "remote":
+                reads = [c for c in found if c.name in ("read_buffered", "read_direct") and c.gbps]
                 each_round = functools.partial(
-                    ceilings.measure_round,
-                    best_read,
+                    _before_round,
+                    # cold reads drift most: each round gets its own read ceiling
+                    max(reads, key=lambda c: c.gbps or 0.0) if state == "cold" and reads else None,
                     checkpoint.files,
                     prepare,
+                    touches,
                     settle=args.settle,
                     progress=progress,
                 )
@@ -335,9 +337,25 @@ def run_sections(
         except runner.Interrupted as stop:
             stop.during = f"{state} runs"
             if any(c.runs for c in configs):
-                sections.append(report.section(state, configs, found))
+                sections.append(report.section(state, configs, found, touches))
             raise
-        sections.append({**report.section(state, configs, found), "stopped": stopped})
+        sections.append({**report.section(state, configs, found, touches), "stopped": stopped})
+
+
+def _before_round(
+    read_ceiling: ceilings.Ceiling | None,
+    files: Sequence[Path],
+    prepare: Callable[[], None],
+    touches: list[dict[str, Any]],
+    round_index: int,
+    settle: float,
+    progress: Progress,
+) -> None:
+    """What is measured again before each round's loads: the read ceiling (cold), then how fast
+    the machine hands out fresh memory."""
+    if read_ceiling is not None:
+        ceilings.measure_round(read_ceiling, files, prepare, round_index, settle=settle, progress=progress)
+    ceilings.first_touch_round(round_index, touches)
 
 
 def flush_writeback(progress: Progress) -> None:

@@ -163,9 +163,14 @@ def undecided(state: str, configs: Sequence[Config]) -> set[str]:
     return {c["loader"] for c in comparisons if c["verdict"] not in ("ahead", "behind")}
 
 
-def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) -> dict[str, Any]:
+def section(
+    state: str,
+    configs: Sequence[Config],
+    ceilings: Sequence[Ceiling],
+    first_touch_rounds: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
     """A cache-state section: every setting's result, each loader's best, the paired verdicts
-    against each peer at its best, the read ceilings."""
+    against each peer at its best, the read ceilings, fresh memory's rate before each round."""
     results = [summarize(c) for c in configs]
     reference = _reference(results)
     if reference is not None:
@@ -181,6 +186,7 @@ def section(state: str, configs: Sequence[Config], ceilings: Sequence[Ceiling]) 
         "comparisons": comparisons(reference, best) if reference is not None else [],
         "ceiling_pairs": ceiling_pairs(results, ceilings),
         "ceilings": [asdict(c) for c in ceilings],
+        "first_touch_rounds": list(first_touch_rounds),
     }
 
 
@@ -320,6 +326,7 @@ def _binding_line(cache: str, bound: dict[str, Any]) -> str:
 
 # Busy this much of every core on average, the machine had no CPU left for the load to grow into.
 _CPU_BOUND_SHARE = 0.9
+_SLOW_MEMORY_SHARE = 0.5  # a round whose first touch ran under this share of the median
 
 
 def _cores_line(section: dict[str, Any], cpu_count: int | None) -> str | None:
@@ -339,6 +346,22 @@ def _cores_line(section: dict[str, Any], cpu_count: int | None) -> str | None:
         f"-- {section['cache']}: the machine's CPUs while streamer loaded: {busy:.2f} of {cpu_count} "
         f"busy{mine}, {stolen:.2f} taken by the hypervisor (medians){bound}"
     )
+
+
+def _first_touch_line(section: dict[str, Any]) -> str | None:
+    """Fresh memory's rate before each round, and the rounds it fell under half its median in:
+    every load that faults fresh pages ran slower there, whatever the loader."""
+    rounds = section.get("first_touch_rounds") or []
+    if not rounds:
+        return None
+    rates = [float(r["gbps"]) for r in rounds]
+    slow = [str(r["round"] + 1) for r in rounds if r["gbps"] < _SLOW_MEMORY_SHARE * statistics.median(rates)]
+    line = f"-- {section['cache']}: first touch of fresh memory before each round (GB/s): " + " ".join(
+        f"{rate:.2f}" for rate in rates
+    )
+    if slow:
+        line += f"; under half its median before round(s) {', '.join(slow)}: memory came slowly there"
+    return line
 
 
 def _ceiling_line(c: dict[str, Any]) -> str:
@@ -411,6 +434,9 @@ def render(document: dict[str, Any]) -> str:
         cores = _cores_line(sec, document["machine"].get("cpu_count"))
         if cores is not None:
             out.append(cores)
+        touch = _first_touch_line(sec)
+        if touch is not None:
+            out.append(touch)
         for r in sec["results"]:
             for why in (r.get("pruned"), r.get("retired")):
                 if why:
