@@ -355,7 +355,8 @@ def _first_touch_line(section: dict[str, Any]) -> str | None:
     if not rounds:
         return None
     rates = [float(r["gbps"]) for r in rounds]
-    slow = [str(r["round"] + 1) for r in rounds if r["gbps"] < _SLOW_MEMORY_SHARE * statistics.median(rates)]
+    floor = _SLOW_MEMORY_SHARE * statistics.median(rates)
+    slow = [str(r["round"] + 1) for r, rate in zip(rounds, rates, strict=True) if rate < floor]
     line = f"-- {section['cache']}: first touch of fresh memory before each round (GB/s): " + " ".join(
         f"{rate:.2f}" for rate in rates
     )
