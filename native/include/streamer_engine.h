@@ -77,8 +77,8 @@ typedef struct se_unit {
  * dst is off SE_DIRECT_ALIGNMENT are read buffered.
  *
  * A block flagged SE_BLOCK_FILL reads all of its range, SE_FILL_CHUNK bytes at a time
- * (SE_FILL_DIRECT_CHUNK for an O_DIRECT file), into a buffer of the reader's own on huge pages
- * where the kernel has them, and places each chunk's whole pages into dst with the page fill
+ * (SE_FILL_DIRECT_CHUNK for an O_DIRECT file), into a buffer of the reader's own (for an O_DIRECT
+ * file on huge pages where the kernel has them), and places each chunk's whole pages into dst with the page fill
  * (see se_fill_open): its dst, read_offset and read_length must be multiples of
  * SE_DIRECT_ALIGNMENT, and a last page cut short by the end of the file is completed with zeros.
  * A chunk of a buffered file whose pages are all in the page cache is placed straight from a

@@ -247,19 +247,31 @@ static void trim_to_credited(se_block *b) {
     b->read_offset = b->acc_begin;
 }
 
-/* A worker's buffer for page-fill reads (SE_FILL_DIRECT_CHUNK bytes): aligned, so that O_DIRECT
- * reads may land in it, and on huge pages. An O_DIRECT read goes to the device as one request per
- * run of physically contiguous pages, up to the queue's limits: into scattered 4 KiB pages a
- * virtio disk got ~0.5-0.8 MiB requests and read 8 MiB blocks at 0.6-0.8 GB/s, into huge pages
- * 4 MiB requests at 2.7-2.9 GB/s (benchmarks/README.md). Reused for every block, it is faulted
- * in once. */
-static char *new_bounce(void) {
-    return se_alloc(SE_FILL_DIRECT_CHUNK, 1);
+/* A worker's buffers for page-fill reads, each made at its first use and reused for every block.
+ * An O_DIRECT read lands in `direct` (SE_FILL_DIRECT_CHUNK bytes, aligned, on huge pages): it goes
+ * to the device as one request per run of physically contiguous pages, up to the queue's limits;
+ * into scattered 4 KiB pages a virtio disk got ~0.5-0.8 MiB requests and read 8 MiB blocks at
+ * 0.6-0.8 GB/s, into huge pages 4 MiB requests at 2.7-2.9 GB/s (benchmarks/README.md). A read
+ * through the page cache lands in `buffered` (SE_FILL_CHUNK bytes of 4 KiB pages): a warm load
+ * reads only the few chunks that lost pages to reclaim, and on a VM whose host takes free memory
+ * back, a fresh huge page took 5-16 ms to touch; with 4 KiB pages here a warm 1 GiB load ran
+ * 1.10x [1.01, 1.17] faster (10 paired rounds, 2026-12-02). */
+typedef struct {
+    char *buffered;
+    char *direct;
+} bounce_buffers;
+
+/* The buffer for a page-fill read from fd: made now if it is the first; NULL if out of memory. */
+static char *bounce_for(bounce_buffers *bounce, int direct) {
+    if (direct) {
+        return bounce->direct != NULL ? bounce->direct : (bounce->direct = se_alloc(SE_FILL_DIRECT_CHUNK, 1));
+    }
+    return bounce->buffered != NULL ? bounce->buffered : (bounce->buffered = se_alloc(SE_FILL_CHUNK, 0));
 }
 
 static void *worker_main(void *arg) {
     se_engine *e = (se_engine *)arg;
-    char *bounce = NULL; /* SE_FILL_CHUNK bytes, made at this worker's first SE_BLOCK_FILL block */
+    bounce_buffers bounce = {NULL, NULL};
     pthread_mutex_lock(&e->lock);
     for (;;) {
         double idle_start = now_seconds();
@@ -286,12 +298,13 @@ static void *worker_main(void *arg) {
         int sys_errno = 0;
         double read_start = now_seconds();
         int32_t status;
+        char *fill_buffer = NULL;
         if (!fill) {
             status = read_block(fd, &block, &got, &sys_errno);
-        } else if (bounce == NULL && (bounce = new_bounce()) == NULL) {
+        } else if ((fill_buffer = bounce_for(&bounce, fd != file.buffered_fd)) == NULL) {
             status = SE_ERR_NOMEM;
         } else {
-            status = fill_block(fd, &file, &lent_fill, bounce, &block, &got, &filled, &mapped, &sys_errno);
+            status = fill_block(fd, &file, &lent_fill, fill_buffer, &block, &got, &filled, &mapped, &sys_errno);
         }
         double read_seconds = now_seconds() - read_start;
 
@@ -308,7 +321,8 @@ static void *worker_main(void *arg) {
         }
     }
     pthread_mutex_unlock(&e->lock);
-    se_free(bounce, SE_FILL_DIRECT_CHUNK, 1);
+    se_free(bounce.buffered, SE_FILL_CHUNK, 0);
+    se_free(bounce.direct, SE_FILL_DIRECT_CHUNK, 1);
     return NULL;
 }
 

@@ -1059,6 +1059,61 @@ static void test_page_fill_of_o_direct_blocks_past_a_chunk(void) {
     free(data);
 }
 
+/* One reader fills from a buffered file whose page cache lost its middle (read into the reader's
+ * buffer for reads through the cache) and from an O_DIRECT file (its buffer for O_DIRECT reads),
+ * in turn: every byte lands in both, and the reader frees both buffers. */
+static void test_page_fill_of_a_buffered_and_an_o_direct_file_on_one_reader(void) {
+    int32_t fill_fd = -1;
+    int32_t sys_errno = 0;
+    if (se_fill_open(&fill_fd, &sys_errno) != SE_OK) {
+        return; /* test_page_fill says why */
+    }
+    const uint64_t size = 3 * MIB;
+    const se_unit units[2] = {{0, 0, size, 0}, {1, 0, size, 0}};
+    unsigned char *data[2] = {random_bytes(size, 41), random_bytes(size, 43)};
+    temp_file f[2];
+    unsigned char *dst[2];
+    for (int i = 0; i < 2; i++) {
+        temp_create(&f[i], data[i], size);
+        dst[i] = se_alloc(size, 0);
+        CHECK(dst[i] != NULL);
+        CHECK_EQ(se_fill_register(fill_fd, dst[i], size, &sys_errno), SE_OK);
+    }
+    CHECK_EQ(fdatasync(f[0].fd), 0);
+    CHECK_EQ(posix_fadvise(f[0].fd, MIB, MIB, POSIX_FADV_DONTNEED), 0);
+    int cached = all_cached(f[0].fd, MIB, MIB); /* a tmpfs keeps its pages */
+    se_engine *e = engine_new(1, units, 2);
+    CHECK_EQ(engine_add(e, f[0].path, 0, NULL), 0);
+    int32_t is_direct = 0;
+    CHECK_EQ(engine_add(e, f[1].path, 1, &is_direct), 1);
+    CHECK_EQ(se_engine_set_fill(e, fill_fd, 4 * MIB), SE_OK);
+    se_block blocks[4];
+    for (int i = 0; i < 4; i++) {
+        const int32_t file = i % 2;
+        const uint64_t offset = i < 2 ? 0 : 2 * MIB;
+        const uint64_t length = i < 2 ? 2 * MIB : MIB;
+        blocks[i] = (se_block){file, (uint32_t)file, (uint32_t)file, SE_BLOCK_FILL, offset,
+                               offset + length, offset, length, dst[file] + offset};
+    }
+    CHECK_EQ(se_engine_submit(e, blocks, 4), SE_OK);
+    uint8_t seen[2] = {0, 0};
+    collect(e, seen, 2, 2, 2);
+    wait_blocks_done(e, 4);
+    se_stats stats;
+    se_engine_stats(e, &stats);
+    CHECK_EQ(stats.bytes_filled, 2 * size);
+    CHECK_EQ(stats.bytes_mapped, (cached ? size : size - MIB) + (is_direct ? 0 : size));
+    se_engine_destroy(e);
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(se_fill_unregister(fill_fd, dst[i], size, &sys_errno), SE_OK);
+        CHECK(memcmp(dst[i], data[i], size) == 0);
+        se_free(dst[i], size, 0);
+        temp_remove(&f[i]);
+        free(data[i]);
+    }
+    se_fill_close(fill_fd);
+}
+
 /* A file cut short after it was mapped: the pages its mapping still shows hold zeros past the new
  * end, and those past it cannot be copied. Either way the chunk is read, and the block is
  * truncated, never filled with zeros that the file no longer holds. */
@@ -1720,6 +1775,7 @@ int main(void) {
     RUN(test_page_fill);
     RUN(test_page_fill_of_o_direct_blocks_past_a_chunk);
     RUN(test_page_fill_of_a_file_cut_after_mapping);
+    RUN(test_page_fill_of_a_buffered_and_an_o_direct_file_on_one_reader);
     RUN(test_sampled_residency);
     RUN(test_ranged_residency);
     RUN(test_stats);
