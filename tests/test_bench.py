@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
+import mmap
 import shutil
 import signal
 import subprocess
@@ -106,7 +107,8 @@ def test_json_validates_against_the_schema(run: dict[str, Any]) -> None:
         assert all(c["verdict"] == "too few rounds" and c["rounds"] == 1 for c in compared.values())
         assert by_loader["streamer"]["runs"][0]["metrics"]["bytes"] == doc["checkpoint"]["tensor_bytes"]
         assert {c["name"] for c in section["ceilings"]} >= {"read_buffered"}
-    assert {c["name"] for c in doc["memory_ceilings"]} >= {"memcpy", "first_touch", "first_touch_hugepage"}
+    memory = {c["name"] for c in doc["memory_ceilings"]}
+    assert memory >= {"memcpy", "first_touch", "first_touch_hugepage", "page_fill"}
 
 
 def test_plot_is_a_png(run: dict[str, Any]) -> None:
@@ -956,3 +958,47 @@ def test_the_import_benchmark_names_an_import_that_fails_and_pairs_the_others(
     assert "runai: not timed, `import runai_model_streamer` fails: ModuleNotFoundError: no runai here" in out
     assert "streamer     median   30.0 ms" in out
     assert "safetensors ÷ streamer: 0.07x" in out and "over 5 rounds: behind" in out
+
+
+class _KeptOnClose(mmap.mmap):
+    """An anonymous mapping that appends its bytes to ``kept`` when closed, before it is unmapped."""
+
+    def __new__(cls, size: int, kept: list[bytes]) -> _KeptOnClose:
+        region = super().__new__(cls, -1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.kept = kept
+        return region
+
+    def close(self) -> None:
+        self.kept.append(bytes(self))
+        super().close()
+
+
+def test_the_page_fill_ceiling_places_every_byte_or_says_why_it_was_not_measured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ceiling's fill really places the source's bytes into fresh pages from every thread; where
+    userfaultfd is refused (as streamer's page fill would be), it names why instead of a figure."""
+    import numpy as np
+
+    from streamer.engine.native import PageFill
+
+    fill, refused = PageFill.open()
+    if fill is None:
+        assert ceilings.page_fill_ceiling(8 << 20).error == f"not measured: {refused}"
+        return
+    source = np.random.default_rng(7).integers(0, 256, 5 << 20, dtype=np.uint8)
+    placed: list[bytes] = []
+    monkeypatch.setattr(ceilings, "_aligned_buffer", lambda size: _KeptOnClose(size, placed))
+    try:
+        assert ceilings.page_fill_seconds(source, 3, fill) > 0
+    finally:
+        fill.close()
+    assert placed == [source.tobytes()]
+    monkeypatch.undo()
+
+    measured = ceilings.page_fill_ceiling((8 << 20) + 100)  # whole pages only
+    assert measured.name == "page_fill" and measured.error is None and measured.gbps and measured.gbps > 0
+    assert measured.detail.startswith("8 MiB, 4 KiB pages, ") and measured.method == "userfaultfd"
+    monkeypatch.setattr(PageFill, "open", classmethod(lambda cls: (None, "userfaultfd refused: EPERM")))
+    refused_here = ceilings.page_fill_ceiling(8 << 20)
+    assert refused_here.gbps is None and refused_here.error == "not measured: userfaultfd refused: EPERM"

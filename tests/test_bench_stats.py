@@ -248,6 +248,30 @@ def test_a_ceiling_streamer_beat_is_not_named_as_its_bound() -> None:
     assert report._binding_line("warm", everything).startswith("-- warm: above every measured ceiling")
 
 
+def test_a_load_that_filled_its_pages_is_bound_by_the_page_fill_not_by_first_touch() -> None:
+    """Streamer's runs say they created their pages with the page fill: their path is the page fill
+    (5.0), not first touch (2.0) then memcpy; warm at 4.3 GB/s it binds, cold at 2.1 GB/s too, once
+    storage reads (1.7) were beaten. A load whose runs faulted their pages keeps the old path."""
+    memory = [
+        asdict(Ceiling("first_touch", None, 2.0, "mmap", "")),
+        asdict(Ceiling("memcpy", None, 20.0, "numpy", "")),
+        asdict(Ceiling("page_fill", None, 5.0, "userfaultfd", "")),
+    ]
+    for state, seconds, read, passed in (
+        ("warm", 0.25, 30.0, []),
+        ("cold", 0.5, 1.7, [{"name": "storage reads", "gbps": 1.7}]),
+    ):
+        streamer = _config("streamer", (), [seconds] * 6)
+        for run in streamer.runs:
+            run.metrics = {"page_fill": "on"}
+        configs = [streamer, _config("runai", (), [1.0] * 6)]
+        section = report.section(state, configs, [Ceiling("read_buffered", state, read, "fio", "8 jobs")])
+        bound = report._binding_ceiling(section, memory)
+        assert bound == {"name": "page_fill", "gbps": 5.0, "passed": passed}
+        faulted = report.section(state, [_config("streamer", (), [seconds] * 6)], [])
+        assert report._binding_ceiling(faulted, memory)["passed"] == [{"name": "first_touch", "gbps": 2.0}]
+
+
 def test_a_peer_setting_far_from_its_loaders_best_stops_after_the_first_rounds() -> None:
     """runai default at 1.5x runai's best after two rounds stops; a setting within 1.4x, streamer's
     own settings and a loader's only setting go on; the report says which stopped and why."""

@@ -5,6 +5,8 @@
   ``pread`` reader in Python);
 - ``memcpy`` into memory that is already touched (numpy, one thread; torch, all threads);
 - first touch of fresh anonymous memory (MAP_PRIVATE), 4 KiB pages and transparent huge pages;
+- the page fill: fresh 4 KiB pages created holding bytes copied from touched memory (userfaultfd's
+  ``UFFDIO_COPY``, as streamer's CPU loads fill their buffers where pages are 4 KiB), all cores;
 - pinned host-to-device copy when CUDA is present;
 - S3 sources: plain boto3 ranged GETs through the same endpoint (the boto3 loader's runs, timed
   interleaved with the loaders'); the local read ceilings do not apply there.
@@ -12,11 +14,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import tempfile
 import threading
@@ -42,11 +46,11 @@ class Ceiling:
     """One reference figure: its best rate and how it was obtained."""
 
     # read_buffered | read_direct | s3_ranged_get | sdk_read | memcpy | first_touch |
-    # first_touch_hugepage | h2d_pinned
+    # first_touch_hugepage | page_fill | h2d_pinned
     name: str
     cache: str | None  # cold | warm | remote for reads, None for memory
     gbps: float | None
-    method: str  # fio | python | boto3 | numpy | torch | mmap | none
+    method: str  # fio | python | boto3 | numpy | torch | mmap | userfaultfd | none
     detail: str
     samples: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
@@ -364,6 +368,76 @@ def first_touch_round(round_index: int, into: list[dict[str, Any]], size: int = 
     minute (first touch at the end: 2.8 GB/s), and every load that faults fresh pages took 5-10x
     longer. The memory ceilings, measured last, do not see such a minute; this shows its rounds."""
     into.append({"round": round_index, "gbps": gbps(size, first_touch_seconds(size))})
+
+
+# _IOWR(0xAA, 0x03, struct uffdio_copy): dst, src, len, mode (u64) and copy (s64), 40 bytes.
+_UFFDIO_COPY = 0xC028AA03
+_FILL_CHUNK = 1 << 20  # the engine's page-fill chunk (SE_FILL_CHUNK)
+_PAGE = 4096
+
+
+def page_fill_seconds(source: Any, threads: int, fill: Any) -> float:
+    """Creating ``source.nbytes`` (whole pages) of fresh 4 KiB pages holding ``source``'s bytes with
+    ``UFFDIO_COPY`` on ``fill`` (a ``streamer.engine.native.PageFill``), 1 MiB at a time from
+    ``threads`` threads taking every ``threads``-th chunk; raises OSError if the kernel refuses."""
+    import numpy as np
+
+    size = source.nbytes
+    region = _aligned_buffer(size)
+    target = np.frombuffer(region, dtype=np.uint8)
+    base, origin = target.ctypes.data, source.ctypes.data
+    if not fill.register(base, size):
+        raise OSError("UFFDIO_REGISTER refused the buffer")
+    errors: list[OSError] = []
+
+    def place(first: int) -> None:
+        try:
+            for offset in range(first * _FILL_CHUNK, size, threads * _FILL_CHUNK):
+                length = min(_FILL_CHUNK, size - offset)
+                request = bytearray(struct.pack("QQQQq", base + offset, origin + offset, length, 0, 0))
+                fcntl.ioctl(fill.fd, _UFFDIO_COPY, request)
+        except OSError as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=place, args=(i,)) for i in range(threads)]
+    start = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    seconds = time.perf_counter() - start
+    fill.unregister(base, size)
+    placed = bool(target[size - 1] == source[size - 1])
+    del target
+    region.close()
+    if errors:
+        raise errors[0]
+    if not placed:
+        raise OSError("UFFDIO_COPY left the last page without its bytes")
+    return seconds
+
+
+def page_fill_ceiling(size: int) -> Ceiling:
+    """The best of 3 ``page_fill_seconds`` on every usable core; an error where the kernel (or a
+    seccomp filter) refuses userfaultfd, as it refuses streamer's page fill there."""
+    import numpy as np
+
+    from streamer.engine.native import PageFill
+
+    size -= size % _PAGE
+    threads = len(os.sched_getaffinity(0))
+    fill, refused = PageFill.open()
+    if fill is None:
+        return Ceiling("page_fill", None, None, "none", "", error=f"not measured: {refused}")
+    source = np.ones(size, dtype=np.uint8)
+    try:
+        seconds = min(page_fill_seconds(source, threads, fill) for _ in range(3))
+    except OSError as exc:
+        return Ceiling("page_fill", None, None, "none", "", error=f"not measured: {exc}")
+    finally:
+        fill.close()
+    detail = f"{size >> 20} MiB, 4 KiB pages, {threads} thread(s), best of 3"
+    return Ceiling("page_fill", None, gbps(size, seconds), "userfaultfd", detail)
 
 
 def h2d_ceiling(size: int, device: str) -> Ceiling:

@@ -404,6 +404,7 @@ def memory_ceilings(
         ceilings.memcpy_ceiling(size),
         ceilings.first_touch_ceiling(size, False),
         ceilings.first_touch_ceiling(size, True),
+        ceilings.page_fill_ceiling(size),
     ]
     if args.device.startswith("cuda") and probed["cuda"]["available"]:
         out.append(ceilings.h2d_ceiling(size, args.device))

@@ -49,6 +49,7 @@ def plot(document: dict[str, Any], path: Path) -> None:
         "memcpy": ("tab:olive", "-."),
         "first_touch": ("tab:cyan", "--"),
         "first_touch_hugepage": ("tab:pink", "-."),
+        "page_fill": ("tab:purple", "--"),
         "h2d_pinned": ("darkgoldenrod", ":"),
         "s3_ranged_get": ("black", "--"),
         "sdk_read": ("black", "--"),
