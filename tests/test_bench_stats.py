@@ -251,7 +251,8 @@ def test_a_ceiling_streamer_beat_is_not_named_as_its_bound() -> None:
 def test_a_load_that_filled_its_pages_is_bound_by_the_page_fill_not_by_first_touch() -> None:
     """Streamer's runs say they created their pages with the page fill: their path is the page fill
     (5.0), not first touch (2.0) then memcpy; warm at 4.3 GB/s it binds, cold at 2.1 GB/s too, once
-    storage reads (1.7) were beaten. A load whose runs faulted their pages keeps the old path."""
+    storage reads (1.7) were beaten, and at 6.1 GB/s it still binds (the ceiling ran slow). A load
+    whose runs faulted their pages keeps the old path."""
     memory = [
         asdict(Ceiling("first_touch", None, 2.0, "mmap", "")),
         asdict(Ceiling("memcpy", None, 20.0, "numpy", "")),
@@ -259,6 +260,7 @@ def test_a_load_that_filled_its_pages_is_bound_by_the_page_fill_not_by_first_tou
     ]
     for state, seconds, read, passed in (
         ("warm", 0.25, 30.0, []),
+        ("warm", 0.175, 30.0, []),
         ("cold", 0.5, 1.7, [{"name": "storage reads", "gbps": 1.7}]),
     ):
         streamer = _config("streamer", (), [seconds] * 6)
