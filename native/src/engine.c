@@ -252,10 +252,12 @@ static void trim_to_credited(se_block *b) {
  * to the device as one request per run of physically contiguous pages, up to the queue's limits;
  * into scattered 4 KiB pages a virtio disk got ~0.5-0.8 MiB requests and read 8 MiB blocks at
  * 0.6-0.8 GB/s, into huge pages 4 MiB requests at 2.7-2.9 GB/s (benchmarks/README.md). A read
- * through the page cache lands in `buffered` (SE_FILL_CHUNK bytes of 4 KiB pages): a warm load
- * reads only the few chunks that lost pages to reclaim, and on a VM whose host takes free memory
- * back, a fresh huge page took 5-16 ms to touch; with 4 KiB pages here a warm 1 GiB load ran
- * 1.10x [1.01, 1.17] faster (10 paired rounds, 2026-12-02). */
+ * through the page cache lands in `buffered` (SE_FILL_CHUNK bytes of 4 KiB pages): it needs no
+ * contiguous pages, and a warm load reads only the few chunks that lost pages to reclaim, where
+ * one huge page per reader was touched for it (on a VM whose host takes free memory back, a fresh
+ * huge page took 5-16 ms to touch). Warm 1 GiB, paired rounds against the huge-page buffer:
+ * 1.10x [1.01, 1.17] (10 rounds, engine builds swapped) and 1.02x [0.95, 1.09] (12 rounds,
+ * streamer-bench --baseline), 2026-12-02: the memory it spares, not speed. */
 typedef struct {
     char *buffered;
     char *direct;
