@@ -1002,3 +1002,23 @@ def test_the_page_fill_ceiling_places_every_byte_or_says_why_it_was_not_measured
     monkeypatch.setattr(PageFill, "open", classmethod(lambda cls: (None, "userfaultfd refused: EPERM")))
     refused_here = ceilings.page_fill_ceiling(8 << 20)
     assert refused_here.gbps is None and refused_here.error == "not measured: userfaultfd refused: EPERM"
+
+    def unbuilt(cls: type) -> None:
+        raise ImportError("streamer's native engine is missing")
+
+    monkeypatch.setattr(PageFill, "open", classmethod(unbuilt))
+    unbuilt_here = ceilings.page_fill_ceiling(8 << 20)
+    assert unbuilt_here.gbps is None
+    assert unbuilt_here.error == "not measured: streamer's native engine is missing"
+
+
+def test_python_m_streamer_bench_imports_the_installed_streamer_from_a_checkout(tmp_path: Path) -> None:
+    """``python -m streamer_bench`` run where a ``streamer/`` source tree lies (a checkout's root,
+    as ``benchmarks/s3_load.py`` runs it) imports the installed streamer, not that tree."""
+    shadow = tmp_path / "streamer"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the source tree, not the installed streamer')\n")
+    command = [sys.executable, "-m", "streamer_bench", "--help"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: streamer-bench" in done.stdout
