@@ -1017,13 +1017,20 @@ static int all_cached(int fd, uint64_t offset, uint64_t length) {
     return 1;
 }
 
+/* The page fill for a test, or -1 where the kernel refuses it (test_page_fill says why). */
+static int32_t open_page_fill(void) {
+    int32_t fill_fd = -1;
+    int32_t sys_errno = 0;
+    return se_fill_open(&fill_fd, &sys_errno) == SE_OK ? fill_fd : -1;
+}
+
 /* O_DIRECT page-fill blocks longer than SE_FILL_DIRECT_CHUNK are read a chunk at a time into the
  * reader's huge-page buffer: every byte lands, across chunk and block edges, up to a last page cut
  * short by the end of the file. */
 static void test_page_fill_of_o_direct_blocks_past_a_chunk(void) {
-    int32_t fill_fd = -1;
     int32_t sys_errno = 0;
-    if (se_fill_open(&fill_fd, &sys_errno) != SE_OK) {
+    const int32_t fill_fd = open_page_fill();
+    if (fill_fd < 0) {
         return; /* test_page_fill says why */
     }
     const uint64_t size = 2 * SE_FILL_DIRECT_CHUNK + MIB + 777;
@@ -1063,9 +1070,9 @@ static void test_page_fill_of_o_direct_blocks_past_a_chunk(void) {
  * buffer for reads through the cache) and from an O_DIRECT file (its buffer for O_DIRECT reads),
  * in turn: every byte lands in both, and the reader frees both buffers. */
 static void test_page_fill_of_a_buffered_and_an_o_direct_file_on_one_reader(void) {
-    int32_t fill_fd = -1;
     int32_t sys_errno = 0;
-    if (se_fill_open(&fill_fd, &sys_errno) != SE_OK) {
+    const int32_t fill_fd = open_page_fill();
+    if (fill_fd < 0) {
         return; /* test_page_fill says why */
     }
     const uint64_t size = 3 * MIB;
@@ -1118,9 +1125,9 @@ static void test_page_fill_of_a_buffered_and_an_o_direct_file_on_one_reader(void
  * end, and those past it cannot be copied. Either way the chunk is read, and the block is
  * truncated, never filled with zeros that the file no longer holds. */
 static void test_page_fill_of_a_file_cut_after_mapping(void) {
-    int32_t fill_fd = -1;
     int32_t sys_errno = 0;
-    if (se_fill_open(&fill_fd, &sys_errno) != SE_OK) {
+    const int32_t fill_fd = open_page_fill();
+    if (fill_fd < 0) {
         return; /* test_page_fill says why */
     }
     const uint64_t size = 3 * MIB;
