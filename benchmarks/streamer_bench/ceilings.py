@@ -372,49 +372,51 @@ def first_touch_round(round_index: int, into: list[dict[str, Any]], size: int = 
 
 # _IOWR(0xAA, 0x03, struct uffdio_copy): dst, src, len, mode (u64) and copy (s64), 40 bytes.
 _UFFDIO_COPY = 0xC028AA03
-_FILL_CHUNK = 1 << 20  # the engine's page-fill chunk (SE_FILL_CHUNK)
-_PAGE = 4096
 
 
 def page_fill_seconds(source: Any, threads: int, fill: Any) -> float:
     """Creating ``source.nbytes`` (whole pages) of fresh 4 KiB pages holding ``source``'s bytes with
-    ``UFFDIO_COPY`` on ``fill`` (a ``streamer.engine.native.PageFill``), 1 MiB at a time from
-    ``threads`` threads taking every ``threads``-th chunk; raises OSError if the kernel refuses."""
+    ``UFFDIO_COPY`` on ``fill`` (a ``streamer.engine.native.PageFill``), a page-fill chunk at a
+    time from ``threads`` threads taking every ``threads``-th chunk; raises OSError if the kernel
+    refuses."""
     import numpy as np
+
+    from streamer.engine.native import FILL_CHUNK
 
     size = source.nbytes
     region = _aligned_buffer(size)
     target = np.frombuffer(region, dtype=np.uint8)
     base, origin = target.ctypes.data, source.ctypes.data
-    if not fill.register(base, size):
-        raise OSError("UFFDIO_REGISTER refused the buffer")
     errors: list[OSError] = []
 
     def place(first: int) -> None:
         try:
-            for offset in range(first * _FILL_CHUNK, size, threads * _FILL_CHUNK):
-                length = min(_FILL_CHUNK, size - offset)
+            for offset in range(first * FILL_CHUNK, size, threads * FILL_CHUNK):
+                length = min(FILL_CHUNK, size - offset)
                 request = bytearray(struct.pack("QQQQq", base + offset, origin + offset, length, 0, 0))
                 fcntl.ioctl(fill.fd, _UFFDIO_COPY, request)
         except OSError as exc:
             errors.append(exc)
 
-    workers = [threading.Thread(target=place, args=(i,)) for i in range(threads)]
-    start = time.perf_counter()
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    seconds = time.perf_counter() - start
-    fill.unregister(base, size)
-    placed = bool(target[size - 1] == source[size - 1])
-    del target
-    region.close()
-    if errors:
-        raise errors[0]
-    if not placed:
-        raise OSError("UFFDIO_COPY left the last page without its bytes")
-    return seconds
+    try:
+        if not fill.register(base, size):
+            raise OSError("UFFDIO_REGISTER refused the buffer")
+        workers = [threading.Thread(target=place, args=(i,)) for i in range(threads)]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        seconds = time.perf_counter() - start
+        fill.unregister(base, size)
+        if errors:
+            raise errors[0]
+        if target[size - 1] != source[size - 1]:
+            raise OSError("UFFDIO_COPY left the last page without its bytes")
+        return seconds
+    finally:
+        del target
+        region.close()
 
 
 def page_fill_ceiling(size: int, repeat: int = 5) -> Ceiling:
@@ -425,7 +427,7 @@ def page_fill_ceiling(size: int, repeat: int = 5) -> Ceiling:
 
     from streamer.engine.native import PageFill
 
-    size -= size % _PAGE
+    size -= size % mmap.PAGESIZE
     threads = len(os.sched_getaffinity(0))
     try:
         fill, refused = PageFill.open()

@@ -286,15 +286,14 @@ def _binding_ceiling(section: dict[str, Any], memory: Sequence[dict[str, Any]]) 
     ceiling is measured."""
     read = _read_ceiling(section)
     row = _reference_row(section)
-    filled = row is not None and _filled_pages(row)
-    path = _FILLED_PATH if filled else _FAULTED_PATH
+    path = _FILLED_PATH if row is not None and _filled_pages(row) else _FAULTED_PATH
     found: list[tuple[float, str]] = [(read, "storage reads")] if read else []
     found += [(c["gbps"], c["name"]) for c in memory if c["name"] in path and c["gbps"]]
     if not found:
         return None
     ours = _reference_gbps(section)
     beaten = [item for item in found if ours is not None and item[0] < ours]
-    passed = sorted(item for item in beaten if not (filled and item[1] in _FILLED_PATH))
+    passed = sorted(item for item in beaten if item[1] not in _FILLED_PATH)
     left = sorted(item for item in found if item not in passed)
     return {
         "name": left[0][1] if left else None,
